@@ -1,0 +1,21 @@
+"""Errors the library raises on bad input. Each message names the file, key or value."""
+
+
+class NextnGraphError(Exception):
+    """Base class: every user-facing error of the library."""
+
+
+class ConfigError(NextnGraphError):
+    """A config.json or YAML value is missing, unknown or out of range."""
+
+
+class CheckpointError(NextnGraphError):
+    """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
+
+
+class InputError(NextnGraphError):
+    """A prompt or request is malformed (empty, too long, token out of vocabulary)."""
+
+
+class CapacityError(NextnGraphError):
+    """The KV pool cannot hold what was asked of it."""

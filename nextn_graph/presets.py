@@ -1,0 +1,83 @@
+"""Built-in model presets and deterministic random initialisation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import ConfigError
+from .model.config import ModelConfig, config_from_dict
+
+# Tiny but complete: layers cover ratios 0, 4 and 128; index_topk 4 makes the
+# indexer select a strict subset once a sequence has more than 16 positions; the
+# window of 16 and the 128-position C128 blocks are crossed by short tests.
+TINY = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 16,
+    "q_lora_rank": 48, "o_lora_rank": 32, "o_groups": 2,
+    "moe_intermediate_size": 64, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6,
+    "sliding_window": 16, "compress_ratios": [0, 4, 128, 4, 0],
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                     "beta_fast": 32, "beta_slow": 1},
+    "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "num_nextn_predict_layers": 1, "max_position_embeddings": 512,
+    "bos_token_id": 0, "eos_token_id": 1,
+}
+
+PRESETS = {"tiny": TINY}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return config_from_dict(dict(PRESETS[name]), f"preset {name!r}")
+
+
+def init_random(state: dict[str, torch.Tensor], cfg: ModelConfig, seed: int) -> dict:
+    """Deterministic random values for every tensor of a (target + draft) state dict.
+
+    Values of matrices are rounded through bf16, the dtype they are stored in, so a
+    saved and reloaded checkpoint reproduces the in-memory model exactly.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for key in sorted(state):
+        ref = state[key]
+        name = key.rsplit(".", 1)[-1]
+        if name == "tid2eid":  # distinct experts per token, fixed by token id
+            perm = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)
+                                for _ in range(ref.shape[0])])
+            out[key] = perm[:, : ref.shape[1]].to(ref.dtype)
+            continue
+        if key.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(ref.shape, generator=gen)
+        elif name == "attn_sink" or name.endswith("_base") or name == "bias":
+            value = 0.5 * torch.randn(ref.shape, generator=gen)
+        elif name.endswith("_scale"):
+            value = 0.5 + torch.rand(ref.shape, generator=gen)
+        elif name == "ape":
+            value = 0.3 * torch.randn(ref.shape, generator=gen)
+        elif key == "embed.weight":
+            value = torch.randn(ref.shape, generator=gen)
+        else:  # projection matrices [out, in]
+            value = torch.randn(ref.shape, generator=gen) / math.sqrt(ref.shape[-1])
+        if storage_dtype(key) == torch.bfloat16:
+            value = value.to(torch.bfloat16)
+        out[key] = value.to(ref.dtype)
+    return out
+
+
+def storage_dtype(key: str) -> torch.dtype:
+    """Checkpoint dtype of a key: mHC params, sinks, ape and router bias are fp32 by design."""
+    name = key.rsplit(".", 1)[-1]
+    if name == "tid2eid":
+        return torch.int32
+    if name.startswith("hc_") or name in ("attn_sink", "ape", "bias"):
+        return torch.float32
+    return torch.bfloat16

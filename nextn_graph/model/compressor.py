@@ -75,11 +75,12 @@ class Compressor(nn.Module):
         nb = s // r
         raw = self.raw(x[: nb * r], torch.arange(nb * r, device=x.device))
         blocks = raw.view(nb, r, raw.shape[-1])  # [nb, r, 2*coff*d]
-        valid = torch.ones(nb, self.span, dtype=torch.bool, device=x.device)
-        if self.coff == 2:  # prepend the previous block; block -1 does not exist
+        if self.coff == 2:  # prepend the previous block (zeros before block 0)
             prev = torch.cat((torch.zeros_like(blocks[:1]), blocks[:-1]), dim=0)
             blocks = torch.cat((prev, blocks), dim=1)  # [nb, 2r, 2*coff*d]
-            valid[0, :r] = False
+        starts = torch.arange(nb, device=x.device).unsqueeze(1) * r  # [nb, 1]
+        cand_pos = starts + torch.arange(self.span, device=x.device) - (self.span - r)
+        valid = cand_pos >= 0  # [nb, span]; block -1 does not exist
         pooled = self._pool(blocks, valid)
         return self._finish(pooled, torch.arange(nb, device=x.device) * r, rope)
 

@@ -128,6 +128,11 @@ def config_from_dict(raw: dict[str, Any], where: str = "config.json") -> ModelCo
             kind = {"int": int, "float": float, "str": str}[str(field.type)]
             value = _check_type(where, name, value, kind)
         values[name] = value
+    dspark = sorted(k for k in raw if k.lower().startswith("dspark")) + [
+        a for a in raw.get("architectures", []) if "DSpark" in str(a)]
+    if dspark:
+        raise ConfigError(f"{where}: {dspark[0]!r} describes a DSpark drafter; this runtime "
+                          f"drives the NextN draft only (num_nextn_predict_layers = 1)")
     unknown = sorted(set(raw) - set(fields) - _IGNORED)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}")

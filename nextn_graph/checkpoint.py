@@ -1,0 +1,159 @@
+"""Checkpoints in the released DeepSeek-V4 layout: ``config.json`` + safetensors.
+
+Keys are the released ones (``embed.weight``, ``layers.L.attn.wq_a.weight``, ...,
+``mtp.0.*`` for the one NextN layer); the module tree is named so that a state
+dict *is* that layout. Files are one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Matrices are stored bf16; mHC params, sinks,
+``ape`` and router biases fp32, ``tid2eid`` int32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import CheckpointError
+from .model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig, load_config
+from .presets import storage_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MTP_KEY = re.compile(r"^mtp\.(\d+)\.")
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    target: DeepseekV4ForCausalLM
+    draft: DeepseekV4ForCausalLMNextN
+
+
+def build_models(cfg: ModelConfig) -> LoadedModel:
+    target = DeepseekV4ForCausalLM(cfg)
+    return LoadedModel(cfg, target, DeepseekV4ForCausalLMNextN(cfg, target))
+
+
+def expected_state(models: LoadedModel) -> dict[str, torch.Tensor]:
+    """Every checkpoint key of the pair, target first, then ``mtp.0.*``."""
+    return {**models.target.state_dict(), **models.draft.state_dict()}
+
+
+def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE_FILE).is_file():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(f"{index}: shard {name} is listed but missing")
+        try:
+            shard = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from None
+        for key, value in shard.items():
+            if weight_map is not None and weight_map.get(key) != name:
+                raise CheckpointError(f"{path}: tensor {key!r} is not listed for this shard in {INDEX_FILE}")
+            tensors[key] = value
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(tensors))
+        if absent:
+            raise CheckpointError(f"{index}: listed tensors missing from their shards: {absent[:5]}")
+    return tensors
+
+
+def _check_layout(root: Path, tensors: dict[str, torch.Tensor],
+                  expected: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    dspark = sorted(k for k in tensors if "dspark" in k.lower())
+    if dspark:
+        raise CheckpointError(
+            f"{root}: MTP stages are a DSpark drafter ({dspark[0]!r}, ...); this runtime "
+            f"drives the NextN draft only (EAGLE/NEXTN with mtp.0.*)")
+    extra_mtp = sorted(k for k in tensors if (m := _MTP_KEY.match(k)) and int(m.group(1)) >= 1)
+    if extra_mtp:
+        raise CheckpointError(
+            f"{root}: {extra_mtp[0]!r} belongs to a second MTP layer; exactly one NextN "
+            f"layer (mtp.0.*) is supported")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{root}: missing tensor key(s) {missing[:8]}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        hint = " (quantization scales are not supported: dequantize to bf16)" if any(
+            k.endswith(".scale") for k in unexpected) else ""
+        raise CheckpointError(f"{root}: unexpected tensor key(s) {unexpected[:8]}{hint}")
+    for key, ref in expected.items():
+        got = tensors[key]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise CheckpointError(f"{root}: tensor {key!r} has shape {list(got.shape)}, "
+                                  f"expected {list(ref.shape)}")
+        if key.endswith("tid2eid"):
+            if got.dtype.is_floating_point or bool(((got < 0) | (got >= cfg.n_routed_experts)).any()):
+                raise CheckpointError(f"{root}: tensor {key!r} must hold expert ids in "
+                                      f"[0, {cfg.n_routed_experts})")
+        elif not got.dtype.is_floating_point:
+            raise CheckpointError(f"{root}: tensor {key!r} has dtype {got.dtype}, expected a float")
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> LoadedModel:
+    """Load target and draft from a checkpoint directory; errors name file and key."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory not found")
+    cfg = load_config(root)
+    models = build_models(cfg)
+    expected = expected_state(models)
+    tensors = _read_tensors(root)
+    _check_layout(root, tensors, expected, cfg)
+    state = {k: v.to(expected[k].dtype) for k, v in tensors.items()}
+    models.target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
+    models.draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
+    for module in (models.target, models.draft):
+        module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return models
+
+
+def save_checkpoint(models: LoadedModel, path: str | Path,
+                    max_shard_bytes: int | None = None) -> Path:
+    """Write ``config.json`` and the tensors in the released layout (sharded if asked)."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(models.cfg.to_hf_dict(), indent=2) + "\n")
+    state = {k: v.detach().to("cpu", storage_dtype(k)).contiguous()
+             for k, v in expected_state(models).items()}
+    if max_shard_bytes is None:
+        save_file(state, str(root / SINGLE_FILE), metadata={"format": "pt"})
+        return root
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in state.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())},
+             "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return root

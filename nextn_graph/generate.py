@@ -1,0 +1,116 @@
+"""Greedy decoding without speculation: the oracle (full recompute) and plain cached.
+
+``reference_generate`` recomputes the whole sequence for every token with no
+cache at all; it is the ground truth every other mode must equal token for
+token. ``plain_generate`` batches all requests against the KV pool: one prefill
+forward, then one forward per step with one row per active request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .errors import InputError
+from .memory.batch import Chunk, ForwardBatch
+from .memory.pool import PoolLayout
+from .model import DeepseekV4ForCausalLM, ModelConfig
+
+
+@dataclass
+class GenerateResult:
+    outputs: list[list[int]]
+    stats: dict = field(default_factory=dict)
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_context: int,
+                     max_new_tokens: int) -> list[list[int]]:
+    """Check every prompt up front; the error names the request and the bad value."""
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        ids = list(prompt)
+        if not ids:
+            raise InputError(f"request {i}: empty prompt")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise InputError(f"request {i}: token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+        if len(ids) + max_new_tokens > max_context:
+            raise InputError(
+                f"request {i}: prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} "
+                f"exceeds the maximum context {max_context}")
+        checked.append(ids)
+    return checked
+
+
+def _finished(out: list[int], stop_ids: set[int], max_new_tokens: int) -> bool:
+    return len(out) >= max_new_tokens or (bool(out) and out[-1] in stop_ids)
+
+
+@torch.no_grad()
+def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
+                       max_new_tokens: int, stop_ids: set[int] | None = None,
+                       max_context: int | None = None) -> GenerateResult:
+    cfg = target.cfg
+    max_context = max_context or cfg.max_position_embeddings
+    prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
+    stop_ids = {cfg.eos_token_id} if stop_ids is None else stop_ids
+    device = target.embed.weight.device
+    start, forwards, outputs = time.perf_counter(), 0, []
+    for prompt in prompts:
+        seq, out = list(prompt), []
+        while not _finished(out, stop_ids, max_new_tokens):
+            logits = target.reference(torch.tensor(seq, device=device)).logits  # [S, V]
+            forwards += 1
+            out.append(int(logits[-1].argmax()))
+            seq.append(out[-1])
+        outputs.append(out)
+    return GenerateResult(outputs, _stats("reference", prompts, outputs, forwards, start))
+
+
+@torch.no_grad()
+def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: int, stop_ids: set[int] | None = None,
+                   max_context: int | None = None) -> GenerateResult:
+    cfg = target.cfg
+    max_context = max_context or cfg.max_position_embeddings
+    prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
+    stop_ids = {cfg.eos_token_id} if stop_ids is None else stop_ids
+    device = target.embed.weight.device
+    pool = target.new_pool(PoolLayout(len(prompts), max_context, verify_width=1))
+    rows = [pool.alloc() for _ in prompts]
+    start = time.perf_counter()
+    batch = ForwardBatch.from_chunks(
+        [Chunk(r, 0, p) for r, p in zip(rows, prompts)], device=device)
+    logits = target(batch, pool).logits  # [sum(prompt lens), V]
+    last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
+    nxt = logits[last].argmax(-1).tolist()
+    outputs: list[list[int]] = [[t] for t in nxt]
+    forwards = 1
+    while True:
+        active = [i for i, o in enumerate(outputs) if not _finished(o, stop_ids, max_new_tokens)]
+        if not active:
+            break
+        batch = ForwardBatch.from_chunks(
+            [Chunk(rows[i], len(prompts[i]) + len(outputs[i]) - 1, [outputs[i][-1]])
+             for i in active], device=device)
+        nxt = target(batch, pool).logits.argmax(-1).tolist()  # one row per active request
+        forwards += 1
+        for i, tok in zip(active, nxt):
+            outputs[i].append(tok)
+    return GenerateResult(outputs, _stats("plain", prompts, outputs, forwards, start))
+
+
+def _stats(mode: str, prompts, outputs, forwards: int, start: float) -> dict:
+    wall = time.perf_counter() - start
+    generated = sum(len(o) for o in outputs)
+    return {"mode": mode, "requests": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated,
+            "target_forwards": forwards, "wall_s": round(wall, 4),
+            "tokens_per_s": round(generated / wall, 2) if wall > 0 else None}

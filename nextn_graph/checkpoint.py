@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError
 from .model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig, load_config
-from .presets import storage_dtype
+from .presets import init_random, storage_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -37,6 +37,15 @@ class LoadedModel:
 def build_models(cfg: ModelConfig) -> LoadedModel:
     target = DeepseekV4ForCausalLM(cfg)
     return LoadedModel(cfg, target, DeepseekV4ForCausalLMNextN(cfg, target))
+
+
+def random_models(cfg: ModelConfig, seed: int) -> LoadedModel:
+    """Target and draft with deterministic random weights (see ``init_random``)."""
+    models = build_models(cfg)
+    state = init_random(expected_state(models), cfg, seed)
+    models.target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
+    models.draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
+    return models
 
 
 def expected_state(models: LoadedModel) -> dict[str, torch.Tensor]:
@@ -110,10 +119,26 @@ def _check_layout(root: Path, tensors: dict[str, torch.Tensor],
             raise CheckpointError(f"{root}: tensor {key!r} has dtype {got.dtype}, expected a float")
 
 
+BUILTIN = "builtin:"
+DATA_DIR = Path(__file__).parent / "data"
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A directory, or ``builtin:NAME`` for a checkpoint shipped in the package."""
+    text = str(spec)
+    if not text.startswith(BUILTIN):
+        return Path(text)
+    root = DATA_DIR / text[len(BUILTIN):]
+    if not (root / "config.json").is_file():
+        known = sorted(p.name for p in DATA_DIR.iterdir()) if DATA_DIR.is_dir() else []
+        raise CheckpointError(f"{text}: no such built-in checkpoint (built-in: {known})")
+    return root
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> LoadedModel:
     """Load target and draft from a checkpoint directory; errors name file and key."""
-    root = Path(path)
+    root = resolve_checkpoint(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory not found")
     cfg = load_config(root)

@@ -9,32 +9,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .checkpoint import build_models, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, random_models, save_checkpoint
+from .config import RunConfig, load_run_config, resolve
+from .runtime.engine import SpecEngine
+from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError
 from .generate import plain_generate, reference_generate
-from .presets import PRESETS, init_random, preset_config
+from .presets import PRESETS, preset_config
 
-MODES = {"reference": reference_generate, "plain": plain_generate}
+MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# The embedded default of the demo: prompts that cross the SWA window (16),
-# C4 blocks and, for the longest, the first C128 block.
-DEMO_PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [(7 * i) % 250 + 2 for i in range(140)]]
 
 
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
                     max_shard_bytes: int | None = None) -> Path:
-    """Write a deterministic random checkpoint of a preset in the released layout."""
-    cfg = preset_config(preset)
-    models = build_models(cfg)
-    state = init_random({**models.target.state_dict(), **models.draft.state_dict()}, cfg, seed)
-    models.target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
-    models.draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
-    return save_checkpoint(models, out, max_shard_bytes)
+    """Write a deterministic checkpoint of a preset in the released layout: random
+    weights, or for ``tiny-trained`` the trained target and distilled draft."""
+    if preset == TRAINED_PRESET:
+        return save_checkpoint(make_trained(seed), out, max_shard_bytes)
+    return save_checkpoint(random_models(preset_config(preset), seed), out, max_shard_bytes)
 
 
 def read_prompts(path: str | Path) -> list[list[int]]:
@@ -61,19 +59,37 @@ def read_prompts(path: str | Path) -> list[list[int]]:
 
 
 def _check_device(device: str) -> None:
-    kind = torch.device(device).type if device else "cpu"
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device}: no CUDA device is available")
+    kind = device.split(":")[0]
     if kind not in ("cpu", "cuda"):
-        raise InputError(f"--device {device}: generate runs on cpu or cuda")
+        raise InputError(f"device {device!r}: generate runs on cpu or cuda (the NPU path "
+                         f"arrives with the graph backends)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: no CUDA device is available")
+
+
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The YAML config (or defaults) with the command line's explicit overrides."""
+    if args.config is None and args.checkpoint is None:
+        raise InputError("give --checkpoint DIR or --config YAML")
+    cfg = load_run_config(args.config, checkpoint=args.checkpoint, dtype=args.dtype,
+                          device=args.device)
+    if args.max_context is not None:
+        cfg = resolve(replace(cfg, pool=replace(cfg.pool, max_context=args.max_context)),
+                      "--max-context")
+    _check_device(cfg.device)
+    return cfg
 
 
 def _generate(args: argparse.Namespace) -> int:
-    _check_device(args.device)
-    models = load_checkpoint(args.checkpoint, DTYPES[args.dtype], args.device)
+    cfg = _run_config(args)
     prompts = read_prompts(args.prompts)
-    result = MODES[args.mode](models.target, prompts, args.max_new_tokens,
-                              max_context=args.max_context)
+    models = load_checkpoint(cfg.checkpoint, DTYPES[cfg.dtype], cfg.device)
+    if args.mode == "spec":
+        engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool)
+        result = engine.generate(prompts, args.max_new_tokens)
+    else:
+        result = MODES[args.mode](models.target, prompts, args.max_new_tokens,
+                                  max_context=cfg.pool.max_context)
     if args.json:
         reqs = [{"input_ids": p, "output_ids": o} for p, o in zip(prompts, result.outputs)]
         print(json.dumps({"requests": reqs, "stats": result.stats}))
@@ -85,21 +101,29 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """The embedded default: tiny checkpoint, plain vs reference decoding, same tokens."""
-    root = Path(args.checkpoint or Path(tempfile.gettempdir()) / "nextn_graph_tiny_seed0")
-    if not (root / "config.json").is_file():
-        make_checkpoint("tiny", root, seed=0)
-    models = load_checkpoint(root)
-    results = {m: fn(models.target, DEMO_PROMPTS, args.max_new_tokens, stop_ids=set())
-               for m, fn in MODES.items()}
-    same = results["plain"].outputs == results["reference"].outputs
-    print(f"checkpoint: {root}")
-    print(f"{'mode':<10} {'forwards':>8} {'tokens':>7} {'wall s':>8} {'tok/s':>8}")
+    """The embedded default: speculative, plain and reference decoding of the same
+    prompts on the tiny trained checkpoint; all three must agree token for token."""
+    cfg = load_run_config(None, checkpoint=args.checkpoint)  # the embedded default
+    models = load_checkpoint(cfg.checkpoint)
+    corpus = Corpus(models.cfg.vocab_size, TrainSettings().phrases, torch.Generator().manual_seed(7))
+    prompts = [corpus.sample(n) for n in (12, 20, 28, 40)]
+    engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool)
+    results = {"spec": engine.generate(prompts, args.max_new_tokens, stop_ids=[])}
+    results.update({m: fn(models.target, prompts, args.max_new_tokens, stop_ids=set())
+                    for m, fn in MODES.items()})
+    same = all(r.outputs == results["reference"].outputs for r in results.values())
+    spec = results["spec"].stats
+    print(f"checkpoint: {cfg.checkpoint}   num_steps: {cfg.speculative.num_steps}")
+    print(f"{'mode':<10} {'target fwd':>10} {'tokens':>7} {'wall s':>8} {'tok/s':>8}")
     for mode, res in results.items():
-        s = res.stats
-        print(f"{mode:<10} {s['target_forwards']:>8} {s['generated_tokens']:>7} "
-              f"{s['wall_s']:>8.3f} {s['tokens_per_s']:>8.1f}")
-    print(f"plain == reference token for token: {same}")
+        st = res.stats
+        tokens = st.get("generated_tokens", st.get("emitted_tokens"))
+        print(f"{mode:<10} {st['target_forwards']:>10} {tokens:>7} "
+              f"{st['wall_s']:>8.3f} {st['tokens_per_s']:>8.1f}")
+    print(f"acceptance length {spec['acceptance_length']:.2f}, strict draft acceptance "
+          f"{spec['draft_acceptance_rate']:.2f}, NextN forwards: {spec['nextn_extend_forwards']} "
+          f"extend + {spec['nextn_decode_forwards']} rollout decode")
+    print(f"spec == plain == reference token for token: {same}")
     return 0 if same else 1
 
 
@@ -107,23 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn-graph", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="run the embedded default (the command's default)")
-    demo.add_argument("--checkpoint", help="checkpoint dir (default: a cached tiny one)")
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--checkpoint", help="checkpoint dir (default: builtin:tiny-trained)")
+    demo.add_argument("--max-new-tokens", type=int, default=32)
     make = sub.add_parser("make-checkpoint", help="write a deterministic random checkpoint")
-    make.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    make.add_argument("--preset", choices=[*sorted(PRESETS), TRAINED_PRESET], default="tiny")
     make.add_argument("--out", required=True)
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--shard-bytes", type=int, default=None,
                       help="split into shards of at most this many bytes, with an index")
     gen = sub.add_parser("generate", help="greedy generation from a JSONL prompts file")
-    gen.add_argument("--checkpoint", required=True)
+    gen.add_argument("--checkpoint", help="checkpoint dir or builtin:NAME (overrides --config)")
+    gen.add_argument("--config", help="YAML run config (checkpoint, pool, speculative settings)")
     gen.add_argument("--prompts", required=True)
     gen.add_argument("--max-new-tokens", type=int, required=True)
-    gen.add_argument("--mode", choices=sorted(MODES), default="plain")
+    gen.add_argument("--mode", choices=["spec", *sorted(MODES)], default="spec")
     gen.add_argument("--max-context", type=int, default=None,
-                     help="positions per request (default: max_position_embeddings)")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    gen.add_argument("--device", default="cpu")
+                     help="positions per request (default: the config's pool.max_context)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    gen.add_argument("--device", default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
 

@@ -26,27 +26,34 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
+                    max_new_tokens: int, where: str, lookahead: int = 0) -> list[int]:
+    """Check one request up front; the error names it (``where``) and the bad value.
+
+    ``lookahead``: positions written past the output (speculative verify windows).
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"{where}: max_new_tokens must be at least 1, got {max_new_tokens!r}")
+    ids = list(prompt)
+    if not ids:
+        raise InputError(f"{where}: empty prompt")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise InputError(f"{where}: token id {bad[0]!r} is outside the vocabulary "
+                         f"[0, {cfg.vocab_size})")
+    if len(ids) + max_new_tokens + lookahead > max_context:
+        extra = f" + {lookahead} positions of verify lookahead" if lookahead else ""
+        raise InputError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens "
+                         f"{max_new_tokens}{extra} exceeds the maximum context {max_context}")
+    return ids
+
+
 def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_context: int,
-                     max_new_tokens: int) -> list[list[int]]:
-    """Check every prompt up front; the error names the request and the bad value."""
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    checked = []
-    for i, prompt in enumerate(prompts):
-        ids = list(prompt)
-        if not ids:
-            raise InputError(f"request {i}: empty prompt")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InputError(f"request {i}: token id {bad[0]!r} is outside the vocabulary "
-                             f"[0, {cfg.vocab_size})")
-        if len(ids) + max_new_tokens > max_context:
-            raise InputError(
-                f"request {i}: prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} "
-                f"exceeds the maximum context {max_context}")
-        checked.append(ids)
-    return checked
+                     max_new_tokens: int, lookahead: int = 0) -> list[list[int]]:
+    """Check every prompt before any work starts; request i is the i-th prompt."""
+    return [validate_prompt(p, cfg, max_context, max_new_tokens, f"request {i}", lookahead)
+            for i, p in enumerate(prompts)]
 
 
 def _finished(out: list[int], stop_ids: set[int], max_new_tokens: int) -> bool:

@@ -19,12 +19,15 @@ same request numbering as the target.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CapacityError
-from ..model.config import ModelConfig
 from .batch import ForwardBatch
+
+if TYPE_CHECKING:  # model imports memory: a runtime import here would be circular
+    from ..model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class KVPool:
 
         def compressed(ratio: int, d: int) -> CompressedCache:
             coff = 2 if ratio == 4 else 1  # C4 entries overlap the previous block
-            per_request = layout.max_context // ratio
+            per_request = max(1, layout.max_context // ratio)  # >= 1: slot 0 is the sink
             return CompressedCache(
                 raw=ring(coff * ratio + layout.verify_width - 1, 2 * coff * d),
                 entries=torch.zeros(rows * per_request, d, device=device, dtype=dtype),

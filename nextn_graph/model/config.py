@@ -121,6 +121,8 @@ def config_from_dict(raw: dict[str, Any], where: str = "config.json") -> ModelCo
                 raise ConfigError(f"{where}: key 'compress_ratios' must be a list of ints")
             value = tuple(value)
         elif name == "architectures":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{where}: key 'architectures' must be a list of strings")
             value = tuple(value)
         elif name == "rope_scaling":
             value = _yarn(where, value)
@@ -156,6 +158,8 @@ def _yarn(where: str, value: Any) -> YarnScaling:
         )
     except KeyError as exc:
         raise ConfigError(f"{where}: rope_scaling is missing key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: rope_scaling has a non-numeric value ({exc})") from None
 
 
 def _validate(cfg: ModelConfig, where: str) -> None:

@@ -1,0 +1,131 @@
+"""The run config: one YAML file with the checkpoint, pool sizes and the
+speculative settings (graph capture settings join it with the graph backends).
+
+Loaded strictly into frozen dataclasses: an unknown key, a value of the wrong
+type or out of range is a ``ConfigError`` naming the file and the dotted key.
+"auto" and alias values are resolved once here, never patched later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ALGORITHM_ALIASES = {"EAGLE": "EAGLE", "NEXTN": "EAGLE"}  # NEXTN names the same runtime
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    algorithm: str = "EAGLE"  # EAGLE, or its alias NEXTN
+    num_steps: int = 3  # S: candidates per round; S - 1 rollout decode calls
+    eagle_topk: int = 1  # only the linear chain (topk 1) is supported
+    num_draft_tokens: int = 4  # verify width N; with topk 1 it must be S + 1
+
+    @property
+    def verify_width(self) -> int:
+        return self.num_steps + 1
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    max_requests: int = 8  # request rows in the KV pool (row 0 is padding, extra)
+    max_context: int = 512  # positions per request: prompt + output + N
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    checkpoint: str = "builtin:tiny-trained"  # a directory, or builtin:NAME
+    dtype: str = "fp32"  # fp32 | bf16
+    device: str = "cpu"  # cpu | cuda | npu
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+
+_CHOICES = {"dtype": ("fp32", "bf16"), "device": ("cpu", "cuda", "npu")}
+
+
+def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
+    """Strictly build dataclass ``cls`` from a YAML mapping."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {prefix or 'top level'} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {prefix + unknown[0]!r} "
+                          f"(known: {', '.join(sorted(names))})")
+    values = {}
+    for name, value in raw.items():
+        key, kind = prefix + name, hints[name]
+        if dataclasses.is_dataclass(kind):
+            values[name] = _build(kind, value, where, key + ".")
+        elif kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{where}: key {key!r} must be an integer, got {value!r}")
+        elif kind is str and not isinstance(value, str):
+            raise ConfigError(f"{where}: key {key!r} must be a string, got {value!r}")
+        else:
+            values[name] = value
+        if name in _CHOICES and not prefix and value not in _CHOICES[name]:
+            raise ConfigError(f"{where}: key {key!r} must be one of {_CHOICES[name]}, got {value!r}")
+    return cls(**values)
+
+
+def resolve_speculative(spec: SpeculativeConfig, where: str) -> SpeculativeConfig:
+    """Validate, resolve the NEXTN alias and correct ``num_draft_tokens`` for topk 1."""
+    algo = str(spec.algorithm).upper()
+    if algo not in ALGORITHM_ALIASES:
+        raise ConfigError(
+            f"{where}: key 'speculative.algorithm' is {spec.algorithm!r}; this runtime drives "
+            f"the NextN draft only (EAGLE, or its alias NEXTN)")
+    if spec.eagle_topk != 1:
+        raise ConfigError(f"{where}: key 'speculative.eagle_topk' is {spec.eagle_topk}; only "
+                          f"topk 1 (a linear draft chain) is supported")
+    if spec.num_steps < 1:
+        raise ConfigError(f"{where}: key 'speculative.num_steps' must be at least 1, "
+                          f"got {spec.num_steps}")
+    width = spec.num_steps + 1
+    if spec.num_draft_tokens != width:
+        log.warning("%s: speculative.num_draft_tokens %d is inconsistent with topk 1 and "
+                    "num_steps %d; using num_steps + 1 = %d", where, spec.num_draft_tokens,
+                    spec.num_steps, width)
+    return SpeculativeConfig(ALGORITHM_ALIASES[algo], spec.num_steps, 1, width)
+
+
+def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
+    pool = cfg.pool
+    if pool.max_requests < 1:
+        raise ConfigError(f"{where}: key 'pool.max_requests' must be at least 1")
+    spec = resolve_speculative(cfg.speculative, where)
+    if pool.max_context < spec.verify_width + 1:
+        raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
+                          f"than one verify window plus a prompt token")
+    return dataclasses.replace(cfg, speculative=spec)
+
+
+def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
+    """Read a YAML run config (or the defaults), apply top-level overrides, resolve."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML ({exc})") from None
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given:
+        where = f"{where} with command-line {', '.join(f'--{k}' for k in given)}"
+    return resolve(_build(RunConfig, {**raw, **given}, where, ""), where)

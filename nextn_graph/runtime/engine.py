@@ -1,0 +1,195 @@
+"""The embeddable engine: requests join and leave between rounds.
+
+``add_request`` queues a request; ``step`` admits what the pool can hold
+(prefill + draft extend for prefill, eager), then runs one speculative round for
+every running request and returns each request's newly committed tokens. A
+finished request's pool row goes back at once. Per-request device state lives in
+tables indexed by pool row, so a round gathers it with one index tensor and the
+only host sync of a round is reading the accepted tokens back.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from ..config import PoolConfig, SpeculativeConfig
+from ..errors import InputError
+from ..generate import GenerateResult, validate_prompt, validate_prompts
+from ..memory.pool import PoolLayout
+from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
+from . import phases
+from .stats import SpecStats
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    row: int = 0  # pool request row once admitted (0 = not yet)
+    finished: bool = False
+
+    def emit(self, tokens: Iterable[int]) -> list[int]:
+        """Append tokens up to a stop token or max_new_tokens; return what was kept."""
+        kept = []
+        for tok in tokens:
+            kept.append(tok)
+            if tok in self.stop_ids or len(self.output) + len(kept) >= self.max_new_tokens:
+                self.finished = True
+                break
+        self.output.extend(kept)
+        return kept
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    rid: int
+    new_tokens: list[int]  # committed this step, after stop / length cuts
+    finished: bool
+    draft_tokens: list[int]  # the candidates proposed this round (empty at prefill)
+
+
+class SpecEngine:
+    def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
+                 spec: SpeculativeConfig, pool: PoolConfig):
+        self.cfg, self.spec = target.cfg, spec
+        layout = PoolLayout(pool.max_requests, pool.max_context, spec.verify_width)
+        self.max_context = pool.max_context
+        self.models = phases.SpecModels(target, draft, target.new_pool(layout),
+                                        draft.new_pool(layout))
+        self.device = target.embed.weight.device
+        rows, long = layout.rows, dict(dtype=torch.int64, device=self.device)
+        self._lengths = torch.zeros(rows, **long)  # committed length L per pool row
+        self._bonus = torch.zeros(rows, **long)  # token at position L
+        self._cand1 = torch.zeros(rows, **long)  # draft candidate for position L + 1
+        self._seed = torch.zeros(rows, self.cfg.hc_dim, device=self.device,
+                                 dtype=target.embed.weight.dtype)  # [rows, hc*H]
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: dict[int, Request] = {}  # by pool row
+        self._next_rid = 0
+        self.stats = SpecStats(verify_width=spec.verify_width)
+
+    # -- requests --------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int,
+                    stop_ids: Iterable[int] | None = None) -> int:
+        """Queue a request; a bad one raises here and touches no other request."""
+        rid = self._next_rid
+        prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens,
+                                 f"request {rid}", self.lookahead)
+        stops = frozenset([self.cfg.eos_token_id] if stop_ids is None else stop_ids)
+        if any(not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size for t in stops):
+            raise InputError(f"request {rid}: stop token ids {sorted(stops)} must lie in "
+                             f"[0, {self.cfg.vocab_size})")
+        self._next_rid += 1
+        self._waiting.append(Request(rid, prompt, max_new_tokens, stops))
+        return rid
+
+    @property
+    def lookahead(self) -> int:
+        """Positions a verify window writes past a request's last output: S - 1."""
+        return self.spec.num_steps - 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[StepOutput]:
+        outs = self._admit()
+        if self._running:
+            outs += self._round()
+        for row in [r for r, req in self._running.items() if req.finished]:
+            del self._running[row]
+            self.models.target_pool.release(row)
+        return outs
+
+    # -- phases ----------------------------------------------------------------
+    @torch.no_grad()
+    def _admit(self) -> list[StepOutput]:
+        pool = self.models.target_pool
+        new = []
+        while self._waiting and pool.free_rows:
+            req = self._waiting.popleft()
+            req.row = pool.alloc()
+            new.append(req)
+        if not new:
+            return []
+        bonus, cand1, seed = phases.prefill(self.models, [r.row for r in new],
+                                            [r.prompt for r in new], self.device)
+        rows = torch.tensor([r.row for r in new], device=self.device)
+        self._lengths[rows] = torch.tensor([len(r.prompt) for r in new], device=self.device)
+        self._bonus[rows], self._cand1[rows], self._seed[rows] = bonus, cand1, seed
+        self.stats.prefill_forwards += 1
+        self.stats.nextn_extend_forwards += 1
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in new)
+        outs = []
+        for req, tok in zip(new, bonus.tolist()):
+            self._running[req.row] = req
+            kept = req.emit([tok])
+            self.stats.emitted_tokens += len(kept)
+            outs.append(StepOutput(req.rid, kept, req.finished, []))
+        return outs
+
+    @torch.no_grad()
+    def _round(self) -> list[StepOutput]:
+        active = [req for req in self._running.values() if not req.finished]
+        if not active:
+            return []
+        m, s = self.models, self.spec.num_steps
+        rows = torch.tensor([r.row for r in active], device=self.device)  # [B]
+        lengths = self._lengths[rows]
+        draft_tokens = phases.rollout(m, rows, lengths, self._cand1[rows], self._seed[rows], s)
+        preds, hidden = phases.verify(m, rows, lengths, self._bonus[rows], draft_tokens)
+        accept_lens, bonus = phases.accept(draft_tokens, preds)
+        cand1, seed = phases.draft_extend(m, rows, lengths, preds, hidden, accept_lens)
+        self._lengths[rows] = lengths + accept_lens
+        self._bonus[rows], self._cand1[rows], self._seed[rows] = bonus, cand1, seed
+        # The one host sync of the round: what each request commits.
+        host = torch.cat((accept_lens, preds.flatten(), draft_tokens.flatten())).tolist()
+        b, n = len(active), s + 1
+        lens, pred_rows = host[:b], host[b:b + b * n]
+        drafts = host[b + b * n:]
+        st = self.stats
+        st.rounds += 1
+        st.request_rounds += b
+        st.verify_forwards += 1
+        st.nextn_extend_forwards += 1
+        st.nextn_decode_forwards += s - 1
+        st.proposed_drafts += b * s
+        st.accepted_drafts += sum(lens) - b
+        outs = []
+        for i, req in enumerate(active):
+            kept = req.emit(pred_rows[i * n: i * n + lens[i]])
+            st.emitted_tokens += len(kept)
+            outs.append(StepOutput(req.rid, kept, req.finished, drafts[i * s:(i + 1) * s]))
+        return outs
+
+    # -- convenience -----------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 stop_ids: Iterable[int] | None = None) -> GenerateResult:
+        """Run a batch to completion; outputs in prompt order."""
+        # All-or-nothing: a bad prompt raises before any request is queued.
+        validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
+        start = time.perf_counter()
+        before = SpecStats(**vars(self.stats))
+        rids = [self.add_request(p, max_new_tokens, stop_ids) for p in prompts]
+        outputs: dict[int, list[int]] = {rid: [] for rid in rids}
+        while self.has_work:
+            for out in self.step():
+                outputs[out.rid].extend(out.new_tokens)
+        stats = SpecStats(**{k: v - getattr(before, k) for k, v in vars(self.stats).items()})
+        stats.verify_width = self.spec.verify_width
+        wall = time.perf_counter() - start
+        extra = {"mode": "spec", "num_steps": self.spec.num_steps, "wall_s": round(wall, 4),
+                 "tokens_per_s": round(stats.emitted_tokens / wall, 2) if wall > 0 else None}
+        return GenerateResult([outputs[r] for r in rids], {**extra, **stats.as_dict()})

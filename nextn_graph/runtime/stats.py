@@ -1,0 +1,41 @@
+"""Counters of one speculative run; derived figures are computed, never stored."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # decode rounds (each: rollout, verify, accept, draft extend)
+    request_rounds: int = 0  # sum over rounds of the requests in it
+    prefill_forwards: int = 0  # target forwards over prompts
+    verify_forwards: int = 0  # target forwards over B*N verify windows
+    nextn_extend_forwards: int = 0  # draft extend, for prefill and for decode
+    nextn_decode_forwards: int = 0  # rollout decode calls (S - 1 per round)
+    proposed_drafts: int = 0  # candidates proposed, S per request per round
+    accepted_drafts: int = 0  # candidates the target confirmed (accept_lens - 1)
+    emitted_tokens: int = 0  # tokens returned to callers (after stop / length cuts)
+    prompt_tokens: int = 0
+    verify_width: int = 0  # N of the runs counted here
+
+    @property
+    def target_forwards(self) -> int:
+        return self.prefill_forwards + self.verify_forwards
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per request-round including the bonus: mean accept_lens."""
+        return (self.accepted_drafts + self.request_rounds) / max(self.request_rounds, 1)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Strict: accepted drafts over proposed drafts, over the same rounds."""
+        return self.accepted_drafts / max(self.proposed_drafts, 1)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(target_forwards=self.target_forwards,
+                   acceptance_length=round(self.acceptance_length, 4),
+                   draft_acceptance_rate=round(self.draft_acceptance_rate, 4))
+        return out

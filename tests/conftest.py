@@ -1,0 +1,56 @@
+"""Shared fixtures: the tiny DeepSeek-V4 target and its NextN draft, random weights.
+
+``tiny`` is built once per session (fp32, eval mode, seed 0). Pools are never
+shared between tests: each test makes its own with ``tiny.target_pool`` or
+``tiny.draft_pool`` so cached state cannot leak from one test into another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from nextn_graph.model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
+from nextn_graph.memory.pool import KVPool, PoolLayout
+from nextn_graph.presets import init_random, preset_config
+
+
+@dataclass(frozen=True)
+class Tiny:
+    cfg: ModelConfig
+    target: DeepseekV4ForCausalLM
+    draft: DeepseekV4ForCausalLMNextN
+
+    def target_pool(self, max_requests: int, max_context: int, verify_width: int) -> KVPool:
+        return self.target.new_pool(PoolLayout(max_requests, max_context, verify_width))
+
+    def draft_pool(self, max_requests: int, max_context: int, verify_width: int) -> KVPool:
+        return self.draft.new_pool(PoolLayout(max_requests, max_context, verify_width))
+
+    def tokens(self, n: int, seed: int) -> torch.Tensor:
+        """n random ids [n] int64, avoiding bos/eos so nothing special is exercised."""
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(2, self.cfg.vocab_size, (n,), generator=gen)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Tiny:
+    # Tiny widths gain nothing from intra-op threads, and on a shared 2-core box
+    # OpenMP spinning under contention made the suite 20x slower at times.
+    torch.set_num_threads(1)
+    cfg = preset_config("tiny")
+    target = DeepseekV4ForCausalLM(cfg)
+    draft = DeepseekV4ForCausalLMNextN(cfg, target)
+    state = init_random({**target.state_dict(), **draft.state_dict()}, cfg, seed=0)
+    target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
+    draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
+    return Tiny(cfg, target.eval(), draft.eval())
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Every test runs inference only: no autograd graph, no grad-mode surprises."""
+    with torch.no_grad():
+        yield

@@ -1,0 +1,96 @@
+"""KVPool layout per compress ratio, ring sizes, and the request-row allocator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nextn_graph.errors import CapacityError
+from nextn_graph.memory.batch import Chunk, ForwardBatch
+from nextn_graph.memory.pool import KVPool, PoolLayout
+
+
+def test_layer_storage_follows_compress_ratio(tiny):
+    """Ratio 0: SWA ring only; ratio 4: SWA + compressed entries + indexer keys;
+    ratio 128: SWA + compressed entries, no indexer."""
+    pool = tiny.target_pool(2, 256, 4)
+    ratios = tiny.target.layer_ratios()
+    assert sorted(set(ratios)) == [0, 4, 128]  # the tiny preset covers every kind
+    for ratio, layer in zip(ratios, pool.layers, strict=True):
+        assert layer.swa is not None
+        assert (layer.compressed is not None) == (ratio > 0)
+        assert (layer.index is not None) == (ratio == 4)
+        if ratio:
+            assert layer.compressed.per_request == 256 // ratio
+            assert layer.compressed.entries.shape[0] == pool.layout.rows * 256 // ratio
+
+
+@pytest.mark.parametrize("verify_width", [1, 2, 4, 8])
+def test_ring_sizes_leave_room_for_the_verify_window(tiny, verify_width):
+    """SWA rings hold window + N - 1 positions; compressor raw rings hold one entry's
+    span (2*ratio for C4, ratio for C128) + N - 1, so a rejected window never clobbers
+    a position the next round still reads."""
+    pool = tiny.target_pool(1, 256, verify_width)
+    for ratio, layer in zip(tiny.target.layer_ratios(), pool.layers):
+        assert layer.swa.size >= tiny.cfg.sliding_window + verify_width - 1
+        assert layer.swa.data.shape[0] == pool.layout.rows * layer.swa.size
+        for c in (layer.compressed, layer.index):
+            if c is not None:
+                span = (2 if ratio == 4 else 1) * ratio
+                assert c.raw.size >= span + verify_width - 1
+
+
+def test_alloc_hands_out_every_row_but_zero_then_raises(tiny):
+    """Row 0 is padding and never allocated; a full pool raises CapacityError."""
+    pool = tiny.target_pool(3, 128, 4)
+    got = [pool.alloc() for _ in range(3)]
+    assert sorted(got) == [1, 2, 3] and pool.free_rows == 0
+    with pytest.raises(CapacityError):
+        pool.alloc()
+    pool.release(got[1])
+    assert pool.alloc() == got[1]  # a released row is reused
+
+
+@pytest.mark.parametrize("row", [0, 2, 4, -1])
+def test_release_of_unallocated_row_raises(tiny, row):
+    """Releasing row 0, a free row or one outside the pool is an error, not a silent
+    double entry in the free list."""
+    pool = tiny.target_pool(3, 128, 4)
+    assert pool.alloc() == 1
+    with pytest.raises(CapacityError):
+        pool.release(row)
+    assert pool.free_rows == 2
+
+
+def test_double_release_raises(tiny):
+    pool = tiny.target_pool(2, 128, 4)
+    row = pool.alloc()
+    pool.release(row)
+    with pytest.raises(CapacityError):
+        pool.release(row)
+
+
+def test_context_beyond_rope_table_raises(tiny):
+    """A pool longer than max_position_embeddings is refused up front."""
+    with pytest.raises(CapacityError, match="max_position_embeddings"):
+        KVPool(tiny.cfg, PoolLayout(1, tiny.cfg.max_position_embeddings + 1, 4),
+               tiny.target.layer_ratios())
+
+
+def test_short_context_pool_runs(tiny):
+    """A pool shorter than one C128 block still runs and matches the reference (regression:
+    it once had 0 C128 entries per request and the entry write crashed)."""
+    pool = tiny.target_pool(1, 64, 4)
+    ids = tiny.tokens(40, seed=80)
+    out = tiny.target(ForwardBatch.from_chunks([Chunk(pool.alloc(), 0, ids.tolist())]), pool)
+    torch.testing.assert_close(out.logits, tiny.target.reference(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_pool_module_imports_first():
+    """``import nextn_graph.memory.pool`` works in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", "import nextn_graph.memory.pool"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-500:]

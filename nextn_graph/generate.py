@@ -60,14 +60,21 @@ def _finished(out: list[int], stop_ids: set[int], max_new_tokens: int) -> bool:
     return len(out) >= max_new_tokens or (bool(out) and out[-1] in stop_ids)
 
 
+def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
+             stop_ids: set[int] | None, max_context: int | None):
+    """Defaults resolved once: context from the model, stop at EOS unless told."""
+    cfg = target.cfg
+    max_context = max_context or cfg.max_position_embeddings
+    prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
+    return prompts, ({cfg.eos_token_id} if stop_ids is None else stop_ids), max_context
+
+
 @torch.no_grad()
 def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, stop_ids: set[int] | None = None,
                        max_context: int | None = None) -> GenerateResult:
-    cfg = target.cfg
-    max_context = max_context or cfg.max_position_embeddings
-    prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
-    stop_ids = {cfg.eos_token_id} if stop_ids is None else stop_ids
+    prompts, stop_ids, max_context = _prepare(target, prompts, max_new_tokens, stop_ids,
+                                              max_context)
     device = target.embed.weight.device
     start, forwards, outputs = time.perf_counter(), 0, []
     for prompt in prompts:
@@ -85,10 +92,8 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
 def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, stop_ids: set[int] | None = None,
                    max_context: int | None = None) -> GenerateResult:
-    cfg = target.cfg
-    max_context = max_context or cfg.max_position_embeddings
-    prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
-    stop_ids = {cfg.eos_token_id} if stop_ids is None else stop_ids
+    prompts, stop_ids, max_context = _prepare(target, prompts, max_new_tokens, stop_ids,
+                                              max_context)
     device = target.embed.weight.device
     pool = target.new_pool(PoolLayout(len(prompts), max_context, verify_width=1))
     rows = [pool.alloc() for _ in prompts]
@@ -99,7 +104,7 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
     last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
     nxt = logits[last].argmax(-1).tolist()
     outputs: list[list[int]] = [[t] for t in nxt]
-    forwards = 1
+    forwards, steps, decode_start = 1, 0, time.perf_counter()
     while True:
         active = [i for i, o in enumerate(outputs) if not _finished(o, stop_ids, max_new_tokens)]
         if not active:
@@ -108,10 +113,14 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
             [Chunk(rows[i], len(prompts[i]) + len(outputs[i]) - 1, [outputs[i][-1]])
              for i in active], device=device)
         nxt = target(batch, pool).logits.argmax(-1).tolist()  # one row per active request
-        forwards += 1
+        forwards, steps = forwards + 1, steps + 1
         for i, tok in zip(active, nxt):
             outputs[i].append(tok)
-    return GenerateResult(outputs, _stats("plain", prompts, outputs, forwards, start))
+    decode_s = time.perf_counter() - decode_start
+    stats = _stats("plain", prompts, outputs, forwards, start)
+    stats.update(decode_steps=steps, decode_s=round(decode_s, 4),
+                 step_ms=round(1000 * decode_s / max(steps, 1), 3))
+    return GenerateResult(outputs, stats)
 
 
 def _stats(mode: str, prompts, outputs, forwards: int, start: float) -> dict:

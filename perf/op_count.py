@@ -22,10 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from nextn_graph.model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN  # noqa: E402
+from nextn_graph.checkpoint import random_models  # noqa: E402
 from nextn_graph.memory.batch import Chunk, ForwardBatch  # noqa: E402
 from nextn_graph.memory.pool import PoolLayout  # noqa: E402
-from nextn_graph.presets import init_random, preset_config  # noqa: E402
+from nextn_graph.presets import preset_config  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):
@@ -58,11 +58,8 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = preset_config("tiny")
-    target = DeepseekV4ForCausalLM(cfg)
-    draft = DeepseekV4ForCausalLMNextN(cfg, target)
-    state = init_random({**target.state_dict(), **draft.state_dict()}, cfg, seed=0)
-    target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
-    draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
+    models = random_models(cfg, seed=0)
+    target, draft = models.target, models.draft
 
     p = args.position
     ids = torch.randint(2, cfg.vocab_size, (p + 1,), generator=torch.Generator().manual_seed(0))

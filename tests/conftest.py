@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from nextn_graph.checkpoint import random_models
 from nextn_graph.model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
 from nextn_graph.memory.pool import KVPool, PoolLayout
-from nextn_graph.presets import init_random, preset_config
+from nextn_graph.presets import preset_config
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,20 @@ class Tiny:
         return torch.randint(2, self.cfg.vocab_size, (n,), generator=gen)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Tiny widths gain nothing from intra-op threads, and on a shared 2-core box
+    OpenMP spinning under contention made the suite 20x slower at times."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def tiny() -> Tiny:
-    # Tiny widths gain nothing from intra-op threads, and on a shared 2-core box
-    # OpenMP spinning under contention made the suite 20x slower at times.
-    torch.set_num_threads(1)
-    cfg = preset_config("tiny")
-    target = DeepseekV4ForCausalLM(cfg)
-    draft = DeepseekV4ForCausalLMNextN(cfg, target)
-    state = init_random({**target.state_dict(), **draft.state_dict()}, cfg, seed=0)
-    target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
-    draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
-    return Tiny(cfg, target.eval(), draft.eval())
+    models = random_models(preset_config("tiny"), seed=0)
+    return Tiny(models.cfg, models.target.eval(), models.draft.eval())
 
 
 @pytest.fixture(autouse=True)

@@ -19,15 +19,6 @@ from nextn_graph.cli import make_checkpoint
 from nextn_graph.errors import CheckpointError, ConfigError, NextnGraphError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny ops: one intra-op thread, so a busy shared CPU cannot stall OpenMP barriers."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return make_checkpoint("tiny", tmp_path_factory.mktemp("ckpt_seed0"), seed=0)

@@ -22,15 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny ops: one intra-op thread, so a busy shared CPU cannot stall OpenMP barriers."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return make_checkpoint("tiny", tmp_path_factory.mktemp("cli_ckpt"), seed=0)

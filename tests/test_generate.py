@@ -16,15 +16,6 @@ from nextn_graph.errors import InputError
 from nextn_graph.generate import plain_generate, reference_generate, validate_prompts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny ops: one intra-op thread, so a busy shared CPU cannot stall OpenMP barriers."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = make_checkpoint("tiny", tmp_path_factory.mktemp("gen_ckpt"), seed=0)

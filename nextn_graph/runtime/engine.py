@@ -105,9 +105,13 @@ class SpecEngine:
         return len(self._waiting)
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         outs = self._admit()
+        mid = time.perf_counter()
         if self._running:
             outs += self._round()
+        self.stats.prefill_s += mid - start
+        self.stats.round_s += time.perf_counter() - mid
         for row in [r for r, req in self._running.items() if req.finished]:
             del self._running[row]
             self.models.target_pool.release(row)

@@ -18,6 +18,8 @@ class SpecStats:
     emitted_tokens: int = 0  # tokens returned to callers (after stop / length cuts)
     prompt_tokens: int = 0
     verify_width: int = 0  # N of the runs counted here
+    prefill_s: float = 0.0  # host wall time in prefill + draft extend for prefill
+    round_s: float = 0.0  # host wall time in decode rounds (ends with the round's sync)
 
     @property
     def target_forwards(self) -> int:
@@ -33,9 +35,14 @@ class SpecStats:
         """Strict: accepted drafts over proposed drafts, over the same rounds."""
         return self.accepted_drafts / max(self.proposed_drafts, 1)
 
+    @property
+    def round_ms(self) -> float:
+        return 1000 * self.round_s / max(self.rounds, 1)
+
     def as_dict(self) -> dict:
         out = asdict(self)
-        out.update(target_forwards=self.target_forwards,
+        out.update(prefill_s=round(self.prefill_s, 4), round_s=round(self.round_s, 4),
+                   round_ms=round(self.round_ms, 3), target_forwards=self.target_forwards,
                    acceptance_length=round(self.acceptance_length, 4),
                    draft_acceptance_rate=round(self.draft_acceptance_rate, 4))
         return out

@@ -125,6 +125,9 @@ def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConf
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: invalid YAML ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of keys, "
+                              f"got {type(raw).__name__}")
     given = {k: v for k, v in overrides.items() if v is not None}
     if given:
         where = f"{where} with command-line {', '.join(f'--{k}' for k in given)}"

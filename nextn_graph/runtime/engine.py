@@ -83,8 +83,12 @@ class SpecEngine:
         rid = self._next_rid
         prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens,
                                  f"request {rid}", self.lookahead)
+        if stop_ids is not None and not isinstance(stop_ids, (list, tuple, set, frozenset)):
+            raise InputError(f"request {rid}: stop_ids must be a collection of token ids, "
+                             f"got {stop_ids!r}")
         stops = frozenset([self.cfg.eos_token_id] if stop_ids is None else stop_ids)
-        if any(not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size for t in stops):
+        if any(not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < self.cfg.vocab_size for t in stops):
             raise InputError(f"request {rid}: stop token ids {sorted(stops)} must lie in "
                              f"[0, {self.cfg.vocab_size})")
         self._next_rid += 1

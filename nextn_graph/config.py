@@ -42,6 +42,19 @@ class PoolConfig:
     max_context: int = 512  # positions per request: prompt + output + N
 
 
+GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "torchair")
+GRAPH_KINDS = ("draft_extend", "rollout", "target_verify")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    backend: str = "cpu"  # eager | cpu (emulator) | cuda | npu | torchair
+    buckets: tuple[int, ...] = ()  # request counts captured; sorted, unique; () = auto
+    kinds: tuple[str, ...] = GRAPH_KINDS  # which phases become graphs; others run eagerly
+    warmup: int = 1  # eager runs of each phase before its capture
+    debug_check_addresses: bool = False  # assert static inputs never moved, every replay
+
+
 @dataclass(frozen=True)
 class RunConfig:
     checkpoint: str = "builtin:tiny-trained"  # a directory, or builtin:NAME
@@ -49,9 +62,20 @@ class RunConfig:
     device: str = "cpu"  # cpu | cuda | npu
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
 
 
-_CHOICES = {"dtype": ("fp32", "bf16"), "device": ("cpu", "cuda", "npu")}
+_CHOICES = {"dtype": ("fp32", "bf16"), "device": ("cpu", "cuda", "npu"),
+            "backend": GRAPH_BACKENDS}
+
+
+_NAMES = {int: "an integer", str: "a string", bool: "true or false"}
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
@@ -69,14 +93,18 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
         key, kind = prefix + name, hints[name]
         if dataclasses.is_dataclass(kind):
             values[name] = _build(kind, value, where, key + ".")
-        elif kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ConfigError(f"{where}: key {key!r} must be an integer, got {value!r}")
-        elif kind is str and not isinstance(value, str):
-            raise ConfigError(f"{where}: key {key!r} must be a string, got {value!r}")
-        else:
-            values[name] = value
-        if name in _CHOICES and not prefix and value not in _CHOICES[name]:
+            continue
+        if typing.get_origin(kind) is tuple:  # a YAML list of one item type
+            item = typing.get_args(kind)[0]
+            if not isinstance(value, list) or not all(_is(v, item) for v in value):
+                raise ConfigError(f"{where}: key {key!r} must be a list of "
+                                  f"{item.__name__}, got {value!r}")
+            value = tuple(value)
+        elif not _is(value, kind):
+            raise ConfigError(f"{where}: key {key!r} must be {_NAMES[kind]}, got {value!r}")
+        if name in _CHOICES and value not in _CHOICES[name]:
             raise ConfigError(f"{where}: key {key!r} must be one of {_CHOICES[name]}, got {value!r}")
+        values[name] = value
     return cls(**values)
 
 
@@ -109,7 +137,31 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
     if pool.max_context < spec.verify_width + 1:
         raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
                           f"than one verify window plus a prompt token")
-    return dataclasses.replace(cfg, speculative=spec)
+    graph = cfg.graph
+    if not graph.buckets:  # auto: powers of two below the pool, and the pool itself
+        auto = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < pool.max_requests]
+        graph = dataclasses.replace(graph, buckets=tuple(auto + [pool.max_requests]))
+    _check_graph(graph, pool, where)
+    return dataclasses.replace(cfg, speculative=spec, graph=graph)
+
+
+def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:
+    buckets = graph.buckets
+    if any(b < 1 for b in buckets):
+        raise ConfigError(f"{where}: key 'graph.buckets' must list positive request "
+                          f"counts, got {list(buckets)}")
+    if list(buckets) != sorted(set(buckets)):
+        raise ConfigError(f"{where}: key 'graph.buckets' must be sorted ascending without "
+                          f"duplicates, got {list(buckets)}")
+    if buckets[-1] > pool.max_requests:
+        raise ConfigError(f"{where}: key 'graph.buckets' has bucket {buckets[-1]} above the "
+                          f"request pool (pool.max_requests = {pool.max_requests})")
+    unknown = [k for k in graph.kinds if k not in GRAPH_KINDS]
+    if unknown or len(set(graph.kinds)) != len(graph.kinds):
+        raise ConfigError(f"{where}: key 'graph.kinds' must be distinct names from "
+                          f"{GRAPH_KINDS}, got {list(graph.kinds)}")
+    if graph.warmup < 0:
+        raise ConfigError(f"{where}: key 'graph.warmup' must be >= 0, got {graph.warmup}")
 
 
 def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nextn_graph.config import (PoolConfig, RunConfig, SpeculativeConfig, load_run_config,
-                                resolve_speculative)
+                                resolve, resolve_speculative)
 from nextn_graph.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +70,8 @@ def test_embedded_default_equals_cpu_default_yaml():
     """load_run_config(None), the embedded default, equals capture_configs/cpu_default.yaml."""
     default = load_run_config(None)
     assert default == load_run_config(REPO / "capture_configs" / "cpu_default.yaml")
-    assert default == RunConfig()
+    assert default == resolve(RunConfig())
+    assert default.graph.buckets == (1, 2, 4, 8)  # auto: powers of two up to the pool
     assert default.speculative == SpeculativeConfig("EAGLE", 3, 1, 4)
     assert default.pool == PoolConfig(8, 512)
 
@@ -187,7 +188,7 @@ def test_invalid_yaml_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not found") as exc:
         load_run_config(missing)
     assert str(missing) in str(exc.value)
-    assert load_run_config(write(tmp_path, "", "empty.yaml")) == RunConfig()
+    assert load_run_config(write(tmp_path, "", "empty.yaml")) == resolve(RunConfig())
 
 
 @pytest.mark.parametrize("text", ["- 1\n- 2\n", "5\n", "just text\n"])

@@ -17,12 +17,16 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import PoolConfig, SpeculativeConfig
+from ..config import GraphConfig, PoolConfig, SpeculativeConfig
 from ..errors import InputError
 from ..generate import GenerateResult, validate_prompt, validate_prompts
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
+from ..graph.backends import GraphBackend, make_backend
+from ..graph.runner import RoundRunner
+from ..graph.updates import UpdateRegistry
 from . import phases
+from .buffers import RequestState, RoundBuffers, RoundPhases
 from .stats import SpecStats
 
 
@@ -58,19 +62,34 @@ class StepOutput:
 
 class SpecEngine:
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
-                 spec: SpeculativeConfig, pool: PoolConfig):
+                 spec: SpeculativeConfig, pool: PoolConfig, graph: GraphConfig | None = None,
+                 backend: GraphBackend | None = None, updates: UpdateRegistry | None = None,
+                 progress: bool = False):
+        """Start-up in a fixed order: pools, static state and buffers, then capture.
+
+        ``graph`` None runs eagerly; otherwise its backend (or ``backend``, an
+        already-built one, e.g. the NPU adapter over a fake namespace) captures the
+        phases of every bucket before the first request.
+        """
         self.cfg, self.spec = target.cfg, spec
         layout = PoolLayout(pool.max_requests, pool.max_context, spec.verify_width)
         self.max_context = pool.max_context
         self.models = phases.SpecModels(target, draft, target.new_pool(layout),
                                         draft.new_pool(layout))
         self.device = target.embed.weight.device
-        rows, long = layout.rows, dict(dtype=torch.int64, device=self.device)
-        self._lengths = torch.zeros(rows, **long)  # committed length L per pool row
-        self._bonus = torch.zeros(rows, **long)  # token at position L
-        self._cand1 = torch.zeros(rows, **long)  # draft candidate for position L + 1
-        self._seed = torch.zeros(rows, self.cfg.hc_dim, device=self.device,
-                                 dtype=target.embed.weight.dtype)  # [rows, hc*H]
+        dtype = target.embed.weight.dtype
+        self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
+        bufs = RoundBuffers.allocate(pool.max_requests, spec.num_steps, self.cfg.hc_dim,
+                                     self.device, dtype)
+        graph = graph or GraphConfig(backend="eager")
+        updates = updates or UpdateRegistry()
+        backend = backend or make_backend(graph.backend, updates)
+        self.runner = RoundRunner(
+            RoundPhases(self.models, self.state, bufs, spec.num_steps), backend,
+            buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
+            warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
+            updates=updates)
+        self.runner.capture(progress=progress)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}  # by pool row
         self._next_rid = 0
@@ -135,8 +154,9 @@ class SpecEngine:
         bonus, cand1, seed = phases.prefill(self.models, [r.row for r in new],
                                             [r.prompt for r in new], self.device)
         rows = torch.tensor([r.row for r in new], device=self.device)
-        self._lengths[rows] = torch.tensor([len(r.prompt) for r in new], device=self.device)
-        self._bonus[rows], self._cand1[rows], self._seed[rows] = bonus, cand1, seed
+        lengths = torch.tensor([len(r.prompt) for r in new], device=self.device)
+        for table, value in zip(vars(self.state).values(), (lengths, bonus, cand1, seed)):
+            table.index_put_((rows,), value)
         self.stats.prefill_forwards += 1
         self.stats.nextn_extend_forwards += 1
         self.stats.prompt_tokens += sum(len(r.prompt) for r in new)
@@ -153,33 +173,25 @@ class SpecEngine:
         active = [req for req in self._running.values() if not req.finished]
         if not active:
             return []
-        m, s = self.models, self.spec.num_steps
-        rows = torch.tensor([r.row for r in active], device=self.device)  # [B]
-        lengths = self._lengths[rows]
-        draft_tokens = phases.rollout(m, rows, lengths, self._cand1[rows], self._seed[rows], s)
-        preds, hidden = phases.verify(m, rows, lengths, self._bonus[rows], draft_tokens)
-        accept_lens, bonus = phases.accept(draft_tokens, preds)
-        cand1, seed = phases.draft_extend(m, rows, lengths, preds, hidden, accept_lens)
-        self._lengths[rows] = lengths + accept_lens
-        self._bonus[rows], self._cand1[rows], self._seed[rows] = bonus, cand1, seed
-        # The one host sync of the round: what each request commits.
-        host = torch.cat((accept_lens, preds.flatten(), draft_tokens.flatten())).tolist()
-        b, n = len(active), s + 1
-        lens, pred_rows = host[:b], host[b:b + b * n]
-        drafts = host[b + b * n:]
+        s, chunks = self.spec.num_steps, self.runner.counters.rounds
+        # Committed length on the host: all output but the bonus has target KV.
+        res = self.runner.run([r.row for r in active],
+                              [len(r.prompt) + len(r.output) - 1 for r in active])
+        chunks = self.runner.counters.rounds - chunks
+        b = len(active)
         st = self.stats
         st.rounds += 1
         st.request_rounds += b
-        st.verify_forwards += 1
-        st.nextn_extend_forwards += 1
-        st.nextn_decode_forwards += s - 1
+        st.verify_forwards += chunks
+        st.nextn_extend_forwards += chunks
+        st.nextn_decode_forwards += chunks * (s - 1)
         st.proposed_drafts += b * s
-        st.accepted_drafts += sum(lens) - b
+        st.accepted_drafts += sum(res.accept_lens) - b
         outs = []
-        for i, req in enumerate(active):
-            kept = req.emit(pred_rows[i * n: i * n + lens[i]])
+        for req, a, preds, drafts in zip(active, res.accept_lens, res.preds, res.drafts):
+            kept = req.emit(preds[:a])
             st.emitted_tokens += len(kept)
-            outs.append(StepOutput(req.rid, kept, req.finished, drafts[i * s:(i + 1) * s]))
+            outs.append(StepOutput(req.rid, kept, req.finished, drafts))
         return outs
 
     # -- convenience -----------------------------------------------------------

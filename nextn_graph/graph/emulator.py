@@ -1,0 +1,278 @@
+"""A strict CPU emulator of CUDA / NPU graph capture and replay.
+
+While capturing, a ``TorchDispatchMode`` records every kernel-launching aten op
+with the very tensors it read and wrote; ``replay`` re-runs the list into the
+same tensors. What a real graph cannot hold is refused at capture, naming the
+op and the line that called it: host syncs (``.item()``, ``.tolist()``,
+``bool()``/``int()`` of a tensor, ``nonzero``, boolean-mask indexing,
+``unique``, ``repeat_interleave`` without ``output_size``), tensors built from
+host data, and RNG. A failed capture leaves the graph empty.
+
+Like ``torch.npu.NPUGraph`` with ``auto_dispatch_capture=True``, ops found in
+the graph's ``updatable`` registry (kernels that take host sequence lengths) are
+recorded with their arguments, and ``update(cpu_update_input)`` rewrites those
+arguments before the next replay; a graph built with ``require_update`` refuses
+to replay when an update it needs was not given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import NextnGraphError
+
+aten = torch.ops.aten
+
+
+class CaptureError(NextnGraphError):
+    """Something inside a captured region cannot live in a static graph."""
+
+
+# Host-sync tensor methods, caught at the Python level (they never reach aten on CPU).
+_HOST_SYNC_METHODS = {
+    torch.Tensor.item: ".item()", torch.Tensor.tolist: ".tolist()",
+    torch.Tensor.numpy: ".numpy()", torch.Tensor.__bool__: "bool() of a tensor",
+    torch.Tensor.__int__: "int() of a tensor", torch.Tensor.__float__: "float() of a tensor",
+    torch.Tensor.__index__: "a tensor used as a Python index",
+}
+_FORBIDDEN_OPS = {
+    aten._local_scalar_dense.default: "host sync (reads a tensor value on the host)",
+    aten.is_nonzero.default: "host sync (bool() of a tensor)",
+    aten.equal.default: "host sync (torch.equal)",
+    aten.nonzero.default: "nonzero (data-dependent output shape)",
+    aten.masked_select.default: "masked_select (data-dependent output shape)",
+    aten._unique2.default: "unique (data-dependent output shape)",
+    aten.unique_dim.default: "unique (data-dependent output shape)",
+    aten.unique_consecutive.default: "unique_consecutive (data-dependent output shape)",
+    aten.lift_fresh.default: "a tensor built from host data (torch.tensor(...))",
+    aten.lift_fresh_copy.default: "a tensor built from host data (torch.tensor(...))",
+}
+_RNG_WORDS = ("rand", "normal", "bernoulli", "multinomial", "uniform", "exponential",
+              "random", "dropout", "poisson", "cauchy", "geometric", "log_normal")
+
+def _call_site() -> str:
+    """The innermost frame outside torch and this file: where the user code called."""
+    here = Path(__file__).resolve()
+    torch_dir = Path(torch.__file__).resolve().parent
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if path != here and torch_dir not in path.parents and "<frozen" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "unknown location"
+
+
+def _forbidden(func, args, kwargs) -> str | None:
+    if func in _FORBIDDEN_OPS:
+        return _FORBIDDEN_OPS[func]
+    name = func.__name__
+    if name.startswith("repeat_interleave") and kwargs.get("output_size") is None and (
+            len(args) < 4 or args[3] is None):
+        return "repeat_interleave without output_size (data-dependent output shape)"
+    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                aten._index_put_impl_.default):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+            return "boolean-mask indexing (data-dependent output shape)"
+    if any(word in name for word in _RNG_WORDS) and "sort" not in name:
+        return f"RNG op {name} (a replay would repeat, not redraw, its numbers)"
+    return None
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    flat = tree if isinstance(tree, (list, tuple)) else [tree]
+    out = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            out.extend(_tensors(x))
+    return out
+
+
+@dataclass
+class _UpdateRecord:
+    func: Any
+    args: list
+    kwargs: dict
+    spec: list[tuple[str, Any, str]]
+
+
+class _SyncGuard(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_SYNC_METHODS:
+            raise CaptureError(f"capture: {_HOST_SYNC_METHODS[func]} is a host sync, "
+                               f"called at {_call_site()}")
+        return func(*args, **(kwargs or {}))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: "CpuGraph"):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = _forbidden(func, args, kwargs)
+        if why:
+            raise CaptureError(f"capture: aten.{func.__name__} is not graph-safe: {why}; "
+                               f"called at {_call_site()}")
+        out = func(*args, **kwargs)
+        self.graph._record(func, args, kwargs, out)
+        return out
+
+
+@dataclass
+class CpuGraph:
+    """One captured region: a list of re-runnable steps over fixed tensors."""
+
+    require_update: bool = False
+    updatable: Any = None  # an UpdateRegistry (or anything with .find(func)), or None
+    steps: list[Callable[[], None]] = field(default_factory=list)
+    updates: list[_UpdateRecord] = field(default_factory=list)
+    outputs: Any = None
+    nbytes: int = 0
+    _updated: bool = False
+    _modes: contextlib.ExitStack | None = None
+
+    @property
+    def update_ops(self) -> list[str]:
+        """Names of the recorded ops that need an update before each replay."""
+        return [rec.func.__name__ for rec in self.updates]
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.steps)
+
+    def capture_begin(self) -> None:
+        """Start recording (the ``with torch.npu.graph(g)`` style); see ``capture``."""
+        self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
+        self._modes = contextlib.ExitStack()
+        for mode in (torch.no_grad(), _SyncGuard(), _Recorder(self)):
+            self._modes.enter_context(mode)
+
+    def capture_end(self, failed: bool = False) -> None:
+        self._modes.close()
+        if failed:  # leave nothing half-captured behind
+            self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
+        self._updated = False
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` once, recording it; returns its (static) outputs."""
+        self.capture_begin()
+        try:
+            outputs = fn()
+        except BaseException:
+            self.capture_end(failed=True)
+            raise
+        self.capture_end()
+        self.outputs = outputs
+        return outputs
+
+    def _record(self, func, args, kwargs, out) -> None:
+        schema = func._schema
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        entry = self.updatable.find(func) if self.updatable is not None else None
+        if entry is not None:
+            rec = _UpdateRecord(func, list(args), dict(kwargs), list(entry.spec))
+            self.updates.append(rec)
+            outs = _tensors(out)
+            self.steps.append(lambda r=rec, o=outs: _copy_into(o, r.func._op(*r.args, **r.kwargs)))
+            self.nbytes += sum(t.nbytes for t in outs)
+            return
+        # Steps call the C++ op (``._op``) directly: the Python OpOverload wrapper
+        # costs a third of a tiny kernel's dispatch.
+        if writes:  # in-place or out= op: run it again on the same tensors
+            self.steps.append(functools.partial(func._op, *args, **kwargs))
+            return
+        outs = _tensors(out)
+        if not outs:
+            return  # host metadata (sizes, strides): nothing to replay
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list(kwargs.values()))}
+        if any(o.untyped_storage().data_ptr() in inputs for o in outs):
+            return  # a view (or an op like _unsafe_view that aliases): follows its input
+        self.nbytes += sum(o.untyped_storage().nbytes() for o in outs)
+        out_op = _out_variant(func)
+        if out_op is not None and len(out_op[1]) == len(outs):
+            # Write straight into the captured outputs: one kernel, no allocation.
+            self.steps.append(_fast_out_step(func, out_op, args, kwargs, outs))
+        else:
+            self.steps.append(lambda: _copy_into(outs, func._op(*args, **kwargs)))
+
+    def update(self, cpu_update_input: list[dict]) -> None:
+        """Rewrite recorded host arguments: one dict per updatable op (or one for all)."""
+        if len(cpu_update_input) == 1:
+            cpu_update_input = [dict(cpu_update_input[0]) for _ in self.updates]
+        if len(cpu_update_input) != len(self.updates):
+            raise CaptureError(f"update: the graph recorded {len(self.updates)} updatable "
+                               f"op(s) but {len(cpu_update_input)} update dict(s) were given")
+        for rec, new in zip(self.updates, cpu_update_input):
+            for kind, where, key in rec.spec:
+                if key not in new:
+                    continue
+                if kind == "kwarg":
+                    rec.kwargs[where] = new[key]
+                else:
+                    rec.args[where] = new[key]
+        self._updated = True
+
+    def replay(self) -> None:
+        if not self.steps:
+            raise CaptureError("replay: nothing was captured")
+        if self.require_update and self.updates and not self._updated:
+            raise CaptureError(f"replay: the graph holds {len(self.updates)} op(s) with host "
+                               f"sequence lengths and no update() was given since the last replay")
+        # No autograd during replay, so dispatch may start below it (as a graph would).
+        with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+            for step in self.steps:
+                step()
+        self._updated = False
+
+
+@functools.lru_cache(maxsize=None)
+def _out_variant(func) -> tuple[Any, tuple[str, ...]] | None:
+    """The ``.out`` overload taking the same arguments plus out tensors, if any."""
+    sig = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        args = op._schema.arguments
+        outs = [a for a in args if a.is_out]
+        if outs and [(a.name, str(a.type)) for a in args if not a.is_out] == sig:
+            return op, tuple(a.name for a in outs)
+    return None
+
+
+def _fast_out_step(func, out_op, args, kwargs, outs) -> Callable[[], Any]:
+    """A replay step writing into ``outs``: the public ``torch.<op>(..., out=)`` binding
+    when it reproduces the captured result bitwise (it parses arguments faster than
+    the boxed ``OpOverload`` call), else the ``.out`` overload itself."""
+    out_kwargs = {**kwargs, **dict(zip(out_op[1], outs))}
+    slow = functools.partial(out_op[0]._op, *args, **out_kwargs)
+    public = getattr(torch, func.overloadpacket.__name__, None)
+    if public is None or len(outs) != 1 or any(k != "out" for k in out_op[1]):
+        return slow
+    fast = functools.partial(public, *args, **kwargs, out=outs[0])
+    expected = outs[0].clone()
+    try:
+        fast()
+    except (TypeError, RuntimeError):
+        outs[0].copy_(expected)
+        return slow
+    if not torch.equal(outs[0], expected) or outs[0].dtype != expected.dtype:
+        outs[0].copy_(expected)
+        return slow
+    return fast
+
+
+def _copy_into(outs: list[torch.Tensor], result) -> None:
+    for o, r in zip(outs, _tensors(result)):
+        o.copy_(r)

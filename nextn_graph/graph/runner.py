@@ -1,0 +1,178 @@
+"""Capture per bucket, and the replay manager that drives a decode round.
+
+What to capture is the three phases of ``RoundPhases`` (draft_extend, rollout,
+target_verify) for every bucket B of the config; how is the backend's business.
+One capture loop serves all kinds: largest bucket first, warm-up, one shared
+pool, time and memory recorded per graph.
+
+A round picks the smallest bucket that fits, stages the request rows (padding
+rows are row 0, which every phase masks inside the graph), replays the three
+graphs and reads back accept_lens, predictions and drafts in one host sync. A
+batch larger than the largest bucket is split into bucket-sized chunks; a kind
+that is not captured runs eagerly over the same buffers. Both are counted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..runtime.buffers import RoundPhases
+from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
+from .emulator import CaptureError
+from .updates import UpdateContext, UpdateRegistry
+
+KINDS = ("rollout", "target_verify", "draft_extend")  # in round order
+
+
+@dataclass
+class ReplayCounters:
+    rounds: int = 0  # chunks run (a split round counts each chunk)
+    graph_replays: int = 0
+    staging_copies: int = 0  # host->device row copies and the one readback per chunk
+    graph_updates: int = 0  # update() calls before replays
+    eager_fallbacks: int = 0  # phases run eagerly on a graph backend (kind not captured)
+    bucket_splits: int = 0  # rounds larger than the largest bucket, split in chunks
+    padded_rows: int = 0  # padding requests replayed alongside real ones
+    real_rows: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Host copies of what the round decided, per real request in order."""
+
+    accept_lens: list[int]
+    preds: list[list[int]]  # [b][N]
+    drafts: list[list[int]]  # [b][S]
+
+
+@dataclass
+class RoundRunner:
+    phases: RoundPhases
+    backend: GraphBackend
+    buckets: tuple[int, ...]  # sorted; empty for eager
+    kinds: tuple[str, ...]  # which kinds to capture
+    warmup: int = 1
+    debug_check_addresses: bool = False
+    updates: UpdateRegistry = field(default_factory=UpdateRegistry)
+    graphs: dict[tuple[str, int], Graph] = field(default_factory=dict)
+    records: list[CaptureRecord] = field(default_factory=list)
+    counters: ReplayCounters = field(default_factory=ReplayCounters)
+    _addresses: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return self.phases.num_steps
+
+    def _kind_fn(self, kind: str):
+        return {"rollout": self.phases.rollout, "target_verify": self.phases.verify,
+                "draft_extend": self.phases.draft_extend}[kind]
+
+    def _round_kinds(self) -> tuple[str, ...]:
+        # With num_steps 1 there is no rollout: candidate 1 comes from draft extend.
+        return tuple(k for k in KINDS if k != "rollout" or self.num_steps > 1)
+
+    # -- capture -----------------------------------------------------------------
+    def capture(self, progress: bool = False) -> list[CaptureRecord]:
+        if not self.backend.captures or not self.buckets:
+            return []
+        pool = self.backend.new_pool()
+        todo = [(b, k) for b in sorted(self.buckets, reverse=True)
+                for k in self._round_kinds() if k in self.kinds]
+        for i, (bucket, kind) in enumerate(todo, start=1):
+            fn = _bound(self._kind_fn(kind), bucket)
+            self._stage([], bucket)  # capture over padding rows only: writes land in row 0
+            with torch.no_grad():
+                for _ in range(self.warmup):
+                    fn()
+                graph, record = timed_capture(self.backend, fn, pool, kind, bucket)
+            self.graphs[(kind, bucket)] = graph
+            self.records.append(record)
+            if progress:
+                _progress(i, len(todo), f"captured {kind} B={bucket} in {record.seconds:.2f}s")
+        self._addresses = self._snapshot()
+        return self.records
+
+    def _snapshot(self) -> dict[str, int]:
+        tensors = {f"bufs.{k}": v for k, v in self.phases.bufs.tensors().items()}
+        tensors.update({f"state.{k}": v for k, v in vars(self.phases.state).items()})
+        return {name: t.data_ptr() for name, t in tensors.items()}
+
+    def _check_addresses(self) -> None:
+        for name, ptr in self._snapshot().items():
+            if self._addresses.get(name) != ptr:
+                raise CaptureError(f"static input {name} moved since capture "
+                                   f"({self._addresses.get(name):#x} -> {ptr:#x})")
+
+    # -- replay ------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int:
+        """The smallest captured bucket >= n; n itself when nothing is captured."""
+        return next((b for b in self.buckets if b >= n), n) if self.graphs else n
+
+    def run(self, rows: list[int], lengths: list[int]) -> RoundResult:
+        """One decode round for requests at pool ``rows`` with committed ``lengths``."""
+        limit = self.buckets[-1] if self.graphs else len(rows)
+        if len(rows) > limit:
+            self.counters.bucket_splits += 1
+        parts = [self._run_chunk(rows[i:i + limit], lengths[i:i + limit])
+                 for i in range(0, len(rows), limit)]
+        return RoundResult(*(sum((getattr(p, f) for p in parts), []) for f in
+                             ("accept_lens", "preds", "drafts")))
+
+    def _stage(self, rows: list[int], bucket: int) -> None:
+        padded = rows + [0] * (bucket - len(rows))
+        self.phases.bufs.rows[:bucket].copy_(torch.tensor(padded), non_blocking=True)
+
+    def _run_chunk(self, rows: list[int], lengths: list[int]) -> RoundResult:
+        b = len(rows)
+        bucket = self.bucket_for(b)
+        c = self.counters
+        c.rounds, c.real_rows, c.padded_rows = c.rounds + 1, c.real_rows + b, c.padded_rows + bucket - b
+        self._stage(rows, bucket)
+        c.staging_copies += 1
+        if self.debug_check_addresses and self.graphs:
+            self._check_addresses()
+        for kind in self._round_kinds():
+            graph = self.graphs.get((kind, bucket))
+            if graph is None:
+                self._kind_fn(kind)(bucket)
+                c.eager_fallbacks += int(self.backend.captures)
+                continue
+            update = None
+            if graph.update_ops:
+                ctx = UpdateContext(bucket, self.num_steps + 1, tuple(rows) + (0,) * (bucket - b),
+                                    tuple(lengths) + (0,) * (bucket - b))
+                update = self.updates.derive(graph.update_ops, ctx)
+                c.graph_updates += 1
+            graph.replay(update)
+            c.graph_replays += 1
+        return self._readback(b)
+
+    def _readback(self, b: int) -> RoundResult:
+        """The round's one host sync: accept_lens, predictions and drafts of b requests."""
+        bufs, s = self.phases.bufs, self.num_steps
+        n = s + 1
+        host = torch.cat((bufs.accept_lens[:b], bufs.preds[:b].flatten(),
+                          bufs.draft_tokens[:b].flatten())).tolist()
+        self.counters.staging_copies += 1
+        preds, drafts = host[b:b + b * n], host[b + b * n:]
+        return RoundResult(host[:b], [preds[i * n:(i + 1) * n] for i in range(b)],
+                           [drafts[i * s:(i + 1) * s] for i in range(b)])
+
+
+def _bound(fn, bucket: int):
+    return lambda: fn(bucket)
+
+
+def _progress(done: int, total: int, text: str) -> None:
+    width = 24
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<48}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

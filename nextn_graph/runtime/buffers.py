@@ -1,0 +1,106 @@
+"""Static state of the decode rounds, allocated once: addresses never move.
+
+``RequestState`` holds each request's speculative state by pool row (row 0 is
+padding). ``RoundBuffers`` holds one round's inputs and outputs at the largest
+bucket; a bucket of B requests uses the leading B rows. The phase functions
+read ``rows`` and gather everything else from the state tables *inside* the
+phase, masking padding rows (row 0) to position 0, token 0 and zero hidden, so a
+shrinking batch can never read stale rows: the only per-round staging is the
+copy of the request rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import phases
+from .phases import SpecModels
+
+
+@dataclass(frozen=True)
+class RequestState:
+    lengths: torch.Tensor  # [R] committed length L (target KV exists below L)
+    bonus: torch.Tensor  # [R] the confirmed token at position L
+    cand1: torch.Tensor  # [R] draft candidate 1, for position L + 1
+    seed: torch.Tensor  # [R, hc*H] draft hidden seed for the rollout
+
+    @staticmethod
+    def allocate(rows: int, hc_dim: int, device, dtype) -> "RequestState":
+        long = dict(dtype=torch.int64, device=device)
+        return RequestState(torch.zeros(rows, **long), torch.zeros(rows, **long),
+                            torch.zeros(rows, **long),
+                            torch.zeros(rows, hc_dim, device=device, dtype=dtype))
+
+    def gather(self, rows: torch.Tensor):
+        """Per-request state of ``rows`` [B], padding rows (0) neutralised."""
+        pad = rows == 0  # [B]
+        return (self.lengths[rows].masked_fill(pad, 0), self.bonus[rows].masked_fill(pad, 0),
+                self.cand1[rows].masked_fill(pad, 0),
+                self.seed[rows].masked_fill(pad.unsqueeze(1), 0))
+
+
+@dataclass(frozen=True)
+class RoundBuffers:
+    rows: torch.Tensor  # [Bmax] pool rows of this round's requests, 0 = padding
+    draft_tokens: torch.Tensor  # [Bmax, S] the rollout's candidates
+    preds: torch.Tensor  # [Bmax, N] target predictions over the verify window
+    hidden: torch.Tensor  # [Bmax*N, hc*H] verify pre_hc_head
+    accept_lens: torch.Tensor  # [Bmax] in [1, N]
+
+    @staticmethod
+    def allocate(max_batch: int, num_steps: int, hc_dim: int, device, dtype) -> "RoundBuffers":
+        n = num_steps + 1
+        long = dict(dtype=torch.int64, device=device)
+        return RoundBuffers(
+            rows=torch.zeros(max_batch, **long),
+            draft_tokens=torch.zeros(max_batch, num_steps, **long),
+            preds=torch.zeros(max_batch, n, **long),
+            hidden=torch.zeros(max_batch * n, hc_dim, device=device, dtype=dtype),
+            accept_lens=torch.ones(max_batch, **long))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(vars(self))
+
+
+@dataclass(frozen=True)
+class RoundPhases:
+    """The three decode phases of one bucket B, as closures over static tensors."""
+
+    m: SpecModels
+    state: RequestState
+    bufs: RoundBuffers
+    num_steps: int
+
+    def rollout(self, b: int) -> None:
+        """-> bufs.draft_tokens[:B]: candidate 1 and S - 1 NextN decode calls."""
+        rows = self.bufs.rows[:b]
+        lengths, _, cand1, seed = self.state.gather(rows)
+        self.bufs.draft_tokens[:b].copy_(
+            phases.rollout(self.m, rows, lengths, cand1, seed, self.num_steps))
+
+    def verify(self, b: int) -> None:
+        """-> bufs.preds[:B], bufs.hidden[:B*N]: one target forward over [bonus, d1..dS]."""
+        rows = self.bufs.rows[:b]
+        lengths, bonus, cand1, _ = self.state.gather(rows)
+        if self.num_steps == 1:  # no rollout: the window is [bonus, candidate 1]
+            self.bufs.draft_tokens[:b].copy_(cand1.unsqueeze(1))
+        preds, hidden = phases.verify(self.m, rows, lengths, bonus, self.bufs.draft_tokens[:b])
+        self.bufs.preds[:b].copy_(preds)
+        self.bufs.hidden[: b * (self.num_steps + 1)].copy_(hidden)
+
+    def draft_extend(self, b: int) -> None:
+        """Accept, draft extend with ``select_index``, and commit by length into the state."""
+        rows, n = self.bufs.rows[:b], self.num_steps + 1
+        lengths = self.state.gather(rows)[0]
+        preds = self.bufs.preds[:b]
+        accept_lens, bonus = phases.accept(self.bufs.draft_tokens[:b], preds)
+        cand1, seed = phases.draft_extend(self.m, rows, lengths, preds,
+                                          self.bufs.hidden[: b * n], accept_lens)
+        self.bufs.accept_lens[:b].copy_(accept_lens)
+        # Commit by length; padding rows all write row 0, which every read masks.
+        self.state.lengths.index_put_((rows,), lengths + accept_lens)
+        self.state.bonus.index_put_((rows,), bonus)
+        self.state.cand1.index_put_((rows,), cand1)
+        self.state.seed.index_put_((rows,), seed)

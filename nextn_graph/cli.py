@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .checkpoint import load_checkpoint, random_models, save_checkpoint
-from .config import RunConfig, load_run_config, resolve
+from .config import GRAPH_BACKENDS, RunConfig, load_run_config
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError
@@ -60,11 +59,14 @@ def read_prompts(path: str | Path) -> list[list[int]]:
 
 def _check_device(device: str) -> None:
     kind = device.split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise InputError(f"device {device!r}: generate runs on cpu or cuda (the NPU path "
-                         f"arrives with the graph backends)")
     if kind == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device {device!r}: no CUDA device is available")
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (lazy: only ever on an Ascend machine)
+        except ImportError:
+            raise InputError(f"device {device!r}: torch_npu is not installed (it needs the "
+                             f"CANN toolkit)") from None
 
 
 def _run_config(args: argparse.Namespace) -> RunConfig:
@@ -72,10 +74,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     if args.config is None and args.checkpoint is None:
         raise InputError("give --checkpoint DIR or --config YAML")
     cfg = load_run_config(args.config, checkpoint=args.checkpoint, dtype=args.dtype,
-                          device=args.device)
-    if args.max_context is not None:
-        cfg = resolve(replace(cfg, pool=replace(cfg.pool, max_context=args.max_context)),
-                      "--max-context")
+                          device=args.device, pool={"max_context": args.max_context},
+                          graph={"backend": args.backend})
     _check_device(cfg.device)
     return cfg
 
@@ -85,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     models = load_checkpoint(cfg.checkpoint, DTYPES[cfg.dtype], cfg.device)
     if args.mode == "spec":
-        engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool)
+        engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph)
         result = engine.generate(prompts, args.max_new_tokens)
     else:
         result = MODES[args.mode](models.target, prompts, args.max_new_tokens,
@@ -107,7 +107,7 @@ def _demo(args: argparse.Namespace) -> int:
     models = load_checkpoint(cfg.checkpoint)
     corpus = Corpus(models.cfg.vocab_size, TrainSettings().phrases, torch.Generator().manual_seed(7))
     prompts = [corpus.sample(n) for n in (12, 20, 28, 40)]
-    engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool)
+    engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph)
     results = {"spec": engine.generate(prompts, args.max_new_tokens, stop_ids=[])}
     results.update({m: fn(models.target, prompts, args.max_new_tokens, stop_ids=set())
                     for m, fn in MODES.items()})
@@ -123,6 +123,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"acceptance length {spec['acceptance_length']:.2f}, strict draft acceptance "
           f"{spec['draft_acceptance_rate']:.2f}, NextN forwards: {spec['nextn_extend_forwards']} "
           f"extend + {spec['nextn_decode_forwards']} rollout decode")
+    print(f"graph backend {cfg.graph.backend}: {spec['graph_replays']} replays over "
+          f"{spec['rounds']} rounds, {spec['padded_rows']} padded rows, "
+          f"{spec['eager_fallbacks']} eager fallbacks")
     print(f"spec == plain == reference token for token: {same}")
     return 0 if same else 1
 
@@ -149,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="positions per request (default: the config's pool.max_context)")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     gen.add_argument("--device", default=None)
+    gen.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
+                     help="graph backend for --mode spec (overrides the config's graph.backend)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
 

@@ -142,6 +142,10 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
         auto = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < pool.max_requests]
         graph = dataclasses.replace(graph, buckets=tuple(auto + [pool.max_requests]))
     _check_graph(graph, pool, where)
+    needs = {"cuda": "cuda", "npu": "npu", "torchair": "npu", "cpu": "cpu"}.get(graph.backend)
+    if needs is not None and cfg.device != needs:
+        raise ConfigError(f"{where}: key 'graph.backend' {graph.backend!r} needs device "
+                          f"{needs!r}, but key 'device' is {cfg.device!r}")
     return dataclasses.replace(cfg, speculative=spec, graph=graph)
 
 
@@ -165,7 +169,11 @@ def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:
 
 
 def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
-    """Read a YAML run config (or the defaults), apply top-level overrides, resolve."""
+    """Read a YAML run config (or the defaults), apply overrides, resolve once.
+
+    ``overrides``: top-level values (``dtype="bf16"``) or per-section dicts
+    (``graph={"backend": "eager"}``); ``None`` values are ignored.
+    """
     raw: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -180,7 +188,17 @@ def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConf
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of keys, "
                               f"got {type(raw).__name__}")
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if given:
-        where = f"{where} with command-line {', '.join(f'--{k}' for k in given)}"
-    return resolve(_build(RunConfig, {**raw, **given}, where, ""), where)
+    merged, named = dict(raw), []
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            section = {k: v for k, v in value.items() if v is not None}
+            if section:
+                base = merged.get(key, {})
+                merged[key] = {**base, **section} if isinstance(base, dict) else section
+                named += [f"{key}.{k}" for k in section]
+        elif value is not None:
+            merged[key] = value
+            named.append(key)
+    if named:
+        where = f"{where} with overrides {', '.join(named)}"
+    return resolve(_build(RunConfig, merged, where, ""), where)

@@ -201,11 +201,14 @@ def test_top_level_not_a_mapping(tmp_path, text):
 
 
 def test_command_line_overrides(tmp_path):
-    """Top-level overrides replace the file's values, are validated the same way, and
-    the error says which command-line option was involved."""
+    """Overrides (top-level values and per-section dicts) replace the file's values, are
+    validated the same way, and the error says which override was involved."""
     cfg = load_run_config(REPO / "capture_configs" / "cuda.yaml", device="cpu", dtype="fp32",
-                          checkpoint=None)
+                          checkpoint=None, graph={"backend": "eager"}, pool={"max_context": 64})
     assert (cfg.device, cfg.dtype, cfg.checkpoint) == ("cpu", "fp32", "builtin:tiny-trained")
-    with pytest.raises(ConfigError, match="--dtype") as exc:
+    assert (cfg.graph.backend, cfg.pool.max_context, cfg.pool.max_requests) == ("eager", 64, 32)
+    with pytest.raises(ConfigError, match="overrides dtype") as exc:
         load_run_config(None, dtype="fp8")
     assert "'dtype'" in str(exc.value)
+    with pytest.raises(ConfigError, match="needs device 'cuda'"):
+        load_run_config(REPO / "capture_configs" / "cuda.yaml", device="cpu")

@@ -202,6 +202,7 @@ class SpecEngine:
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
         start = time.perf_counter()
         before = SpecStats(**vars(self.stats))
+        replays_before = self.runner.counters.as_dict()
         rids = [self.add_request(p, max_new_tokens, stop_ids) for p in prompts]
         outputs: dict[int, list[int]] = {rid: [] for rid in rids}
         while self.has_work:
@@ -210,6 +211,10 @@ class SpecEngine:
         stats = SpecStats(**{k: v - getattr(before, k) for k, v in vars(self.stats).items()})
         stats.verify_width = self.spec.verify_width
         wall = time.perf_counter() - start
-        extra = {"mode": "spec", "num_steps": self.spec.num_steps, "wall_s": round(wall, 4),
-                 "tokens_per_s": round(stats.emitted_tokens / wall, 2) if wall > 0 else None}
+        replays = {k: v - replays_before[k] for k, v in self.runner.counters.as_dict().items()
+                   if k not in ("rounds", "real_rows")}
+        extra = {"mode": "spec", "num_steps": self.spec.num_steps,
+                 "backend": self.runner.backend.name, "wall_s": round(wall, 4),
+                 "tokens_per_s": round(stats.emitted_tokens / wall, 2) if wall > 0 else None,
+                 **replays}
         return GenerateResult([outputs[r] for r in rids], {**extra, **stats.as_dict()})

@@ -24,7 +24,6 @@ from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
 from .emulator import CaptureError
 from .updates import UpdateContext, UpdateRegistry
 
-KINDS = ("rollout", "target_verify", "draft_extend")  # in round order
 
 
 @dataclass
@@ -70,12 +69,10 @@ class RoundRunner:
         return self.phases.num_steps
 
     def _kind_fn(self, kind: str):
-        return {"rollout": self.phases.rollout, "target_verify": self.phases.verify,
-                "draft_extend": self.phases.draft_extend}[kind]
+        return lambda b: self.phases.run(kind, b)
 
     def _round_kinds(self) -> tuple[str, ...]:
-        # With num_steps 1 there is no rollout: candidate 1 comes from draft extend.
-        return tuple(k for k in KINDS if k != "rollout" or self.num_steps > 1)
+        return self.phases.kinds
 
     # -- capture -----------------------------------------------------------------
     def capture(self, progress: bool = False) -> list[CaptureRecord]:
@@ -99,9 +96,7 @@ class RoundRunner:
         return self.records
 
     def _snapshot(self) -> dict[str, int]:
-        tensors = {f"bufs.{k}": v for k, v in self.phases.bufs.tensors().items()}
-        tensors.update({f"state.{k}": v for k, v in vars(self.phases.state).items()})
-        return {name: t.data_ptr() for name, t in tensors.items()}
+        return {name: t.data_ptr() for name, t in self.phases.static_tensors().items()}
 
     def _check_addresses(self) -> None:
         for name, ptr in self._snapshot().items():

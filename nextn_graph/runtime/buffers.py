@@ -60,18 +60,37 @@ class RoundBuffers:
             hidden=torch.zeros(max_batch * n, hc_dim, device=device, dtype=dtype),
             accept_lens=torch.ones(max_batch, **long))
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(vars(self))
-
 
 @dataclass(frozen=True)
 class RoundPhases:
-    """The three decode phases of one bucket B, as closures over static tensors."""
+    """The decode phases of one bucket B, as closures over static tensors.
+
+    ``num_steps`` 0 is plain decoding: the verify window is the bonus alone and
+    the verify phase commits it; there is no draft.
+    """
 
     m: SpecModels
     state: RequestState
     bufs: RoundBuffers
     num_steps: int
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The phases of a round, in order (no rollout below 2 steps, no draft at 0)."""
+        if self.num_steps == 0:
+            return ("target_verify",)
+        if self.num_steps == 1:
+            return ("target_verify", "draft_extend")
+        return ("rollout", "target_verify", "draft_extend")
+
+    def run(self, kind: str, b: int) -> None:
+        {"rollout": self.rollout, "target_verify": self.verify,
+         "draft_extend": self.draft_extend}[kind](b)
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"bufs.{k}": v for k, v in vars(self.bufs).items()}
+        out.update({f"state.{k}": v for k, v in vars(self.state).items()})
+        return out
 
     def rollout(self, b: int) -> None:
         """-> bufs.draft_tokens[:B]: candidate 1 and S - 1 NextN decode calls."""
@@ -89,6 +108,10 @@ class RoundPhases:
         preds, hidden = phases.verify(self.m, rows, lengths, bonus, self.bufs.draft_tokens[:b])
         self.bufs.preds[:b].copy_(preds)
         self.bufs.hidden[: b * (self.num_steps + 1)].copy_(hidden)
+        if self.num_steps == 0:  # plain decoding: commit the one new token here
+            self.bufs.accept_lens[:b].fill_(1)
+            self.state.lengths.index_put_((rows,), lengths + 1)
+            self.state.bonus.index_put_((rows,), preds[:, 0])
 
     def draft_extend(self, b: int) -> None:
         """Accept, draft extend with ``select_index``, and commit by length into the state."""

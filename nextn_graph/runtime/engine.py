@@ -62,30 +62,35 @@ class StepOutput:
 
 class SpecEngine:
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
-                 spec: SpeculativeConfig, pool: PoolConfig, graph: GraphConfig | None = None,
+                 spec: SpeculativeConfig | None, pool: PoolConfig,
+                 graph: GraphConfig | None = None,
                  backend: GraphBackend | None = None, updates: UpdateRegistry | None = None,
                  progress: bool = False):
         """Start-up in a fixed order: pools, static state and buffers, then capture.
 
+        ``spec`` None decodes plainly (no draft: one target row per request and
+        round), over the same buffers and graphs, for like-for-like comparisons.
         ``graph`` None runs eagerly; otherwise its backend (or ``backend``, an
         already-built one, e.g. the NPU adapter over a fake namespace) captures the
         phases of every bucket before the first request.
         """
         self.cfg, self.spec = target.cfg, spec
-        layout = PoolLayout(pool.max_requests, pool.max_context, spec.verify_width)
+        self.num_steps = spec.num_steps if spec is not None else 0
+        width = self.num_steps + 1
+        layout = PoolLayout(pool.max_requests, pool.max_context, width)
         self.max_context = pool.max_context
         self.models = phases.SpecModels(target, draft, target.new_pool(layout),
                                         draft.new_pool(layout))
         self.device = target.embed.weight.device
         dtype = target.embed.weight.dtype
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
-        bufs = RoundBuffers.allocate(pool.max_requests, spec.num_steps, self.cfg.hc_dim,
+        bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
                                      self.device, dtype)
         graph = graph or GraphConfig(backend="eager")
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates)
         self.runner = RoundRunner(
-            RoundPhases(self.models, self.state, bufs, spec.num_steps), backend,
+            RoundPhases(self.models, self.state, bufs, self.num_steps), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates)
@@ -93,7 +98,7 @@ class SpecEngine:
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}  # by pool row
         self._next_rid = 0
-        self.stats = SpecStats(verify_width=spec.verify_width)
+        self.stats = SpecStats(verify_width=width)
 
     # -- requests --------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
@@ -117,7 +122,7 @@ class SpecEngine:
     @property
     def lookahead(self) -> int:
         """Positions a verify window writes past a request's last output: S - 1."""
-        return self.spec.num_steps - 1
+        return max(self.num_steps - 1, 0)
 
     @property
     def has_work(self) -> bool:
@@ -152,13 +157,14 @@ class SpecEngine:
         if not new:
             return []
         bonus, cand1, seed = phases.prefill(self.models, [r.row for r in new],
-                                            [r.prompt for r in new], self.device)
+                                            [r.prompt for r in new], self.device,
+                                            with_draft=self.num_steps > 0)
         rows = torch.tensor([r.row for r in new], device=self.device)
         lengths = torch.tensor([len(r.prompt) for r in new], device=self.device)
         for table, value in zip(vars(self.state).values(), (lengths, bonus, cand1, seed)):
             table.index_put_((rows,), value)
         self.stats.prefill_forwards += 1
-        self.stats.nextn_extend_forwards += 1
+        self.stats.nextn_extend_forwards += int(self.num_steps > 0)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in new)
         outs = []
         for req, tok in zip(new, bonus.tolist()):
@@ -173,7 +179,7 @@ class SpecEngine:
         active = [req for req in self._running.values() if not req.finished]
         if not active:
             return []
-        s, chunks = self.spec.num_steps, self.runner.counters.rounds
+        s, chunks = self.num_steps, self.runner.counters.rounds
         # Committed length on the host: all output but the bonus has target KV.
         res = self.runner.run([r.row for r in active],
                               [len(r.prompt) + len(r.output) - 1 for r in active])
@@ -183,8 +189,8 @@ class SpecEngine:
         st.rounds += 1
         st.request_rounds += b
         st.verify_forwards += chunks
-        st.nextn_extend_forwards += chunks
-        st.nextn_decode_forwards += chunks * (s - 1)
+        st.nextn_extend_forwards += chunks * int(s > 0)
+        st.nextn_decode_forwards += chunks * max(s - 1, 0)
         st.proposed_drafts += b * s
         st.accepted_drafts += sum(res.accept_lens) - b
         outs = []
@@ -209,11 +215,11 @@ class SpecEngine:
             for out in self.step():
                 outputs[out.rid].extend(out.new_tokens)
         stats = SpecStats(**{k: v - getattr(before, k) for k, v in vars(self.stats).items()})
-        stats.verify_width = self.spec.verify_width
+        stats.verify_width = self.num_steps + 1
         wall = time.perf_counter() - start
         replays = {k: v - replays_before[k] for k, v in self.runner.counters.as_dict().items()
                    if k not in ("rounds", "real_rows")}
-        extra = {"mode": "spec", "num_steps": self.spec.num_steps,
+        extra = {"mode": "spec" if self.num_steps else "plain", "num_steps": self.num_steps,
                  "backend": self.runner.backend.name, "wall_s": round(wall, 4),
                  "tokens_per_s": round(stats.emitted_tokens / wall, 2) if wall > 0 else None,
                  **replays}

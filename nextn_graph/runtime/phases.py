@@ -89,16 +89,20 @@ def draft_extend(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, preds
     return out.logits[select_index].argmax(dim=-1), out.hidden[select_index]
 
 
-def prefill(m: SpecModels, rows: list[int], prompts: list[list[int]], device):
+def prefill(m: SpecModels, rows: list[int], prompts: list[list[int]], device,
+            with_draft: bool = True):
     """Eager, variable length: target over the prompts, then draft extend for prefill.
 
     NextN row p pairs token p+1 with target hidden p; the last row pairs the bonus
-    with the last hidden. -> (bonus [B], candidate 1 [B], seed [B, hc*H]).
+    with the last hidden. -> (bonus [B], candidate 1 [B], seed [B, hc*H]); without
+    the draft (plain decoding) candidate 1 and the seed are zeros.
     """
     batch = ForwardBatch.from_chunks([Chunk(r, 0, p) for r, p in zip(rows, prompts)], device)
     out = m.target(batch, m.target_pool)
     last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # [B]
     bonus = out.logits[last].argmax(dim=-1)
+    if not with_draft:
+        return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last])
     shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p
     shifted = shifted.index_put((last,), bonus)
     draft_batch = ForwardBatch(shifted, batch.positions, batch.req_index, batch.cache_start,

@@ -1,4 +1,4 @@
-"""Command line: ``nextn-graph {demo,make-checkpoint,generate}``.
+"""Command line: ``nextn-graph {bench,demo,make-checkpoint,generate}``.
 
 Every library error becomes one line on stderr naming what was wrong, and exit
 status 2; no traceback from inside torch.
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .bench import BenchSettings, run_bench
+from .bench.report import table
 from .checkpoint import load_checkpoint, random_models, save_checkpoint
 from .config import GRAPH_BACKENDS, RunConfig, load_run_config
 from .runtime.engine import SpecEngine
@@ -130,10 +132,42 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """The main job: the replay benchmark on the config (default: the embedded CPU one)."""
+    cfg = load_run_config(args.config, checkpoint=args.checkpoint,
+                          graph={"backend": args.backend})
+    _check_device(cfg.device)
+    if cfg.device == "cpu":  # tiny ops: intra-op threads only add OpenMP barrier waits
+        torch.set_num_threads(args.threads)
+    st = BenchSettings(warmup_rounds=args.warmup_rounds, timed_rounds=args.rounds,
+                       repeats=args.repeats)
+    report = run_bench(cfg, args.config or "embedded default", st, Path(args.out),
+                       Path(args.json) if args.json else None, progress=not args.quiet)
+    print(table(report))
+    print(f"wrote {report['outputs']['json']}, {report['outputs']['markdown']} and "
+          f"{len(report['outputs']['plots'])} plots in {args.out} "
+          f"({report['wall_s']:.0f} s in all)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn-graph", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", help="run the embedded default (the command's default)")
+    bench = sub.add_parser("bench", help="replay benchmark: eager vs graph, spec vs plain "
+                                         "(the command's default)")
+    bench.add_argument("--config", help="YAML run config (default: the embedded CPU one)")
+    bench.add_argument("--checkpoint", help="override the config's checkpoint")
+    bench.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
+                       help="graph backend to compare against eager")
+    bench.add_argument("--rounds", type=int, default=24, help="timed steady rounds per run")
+    bench.add_argument("--warmup-rounds", type=int, default=3)
+    bench.add_argument("--repeats", type=int, default=3, help="runs per mode, for a median")
+    bench.add_argument("--out", default="bench_out", help="directory for JSON, Markdown, PNGs")
+    bench.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench.add_argument("--threads", type=int, default=1,
+                       help="torch intra-op threads on CPU (default 1: tiny widths)")
+    demo = sub.add_parser("demo", help="spec, plain and reference decoding side by side")
     demo.add_argument("--checkpoint", help="checkpoint dir (default: builtin:tiny-trained)")
     demo.add_argument("--max-new-tokens", type=int, default=32)
     make = sub.add_parser("make-checkpoint", help="write a deterministic random checkpoint")
@@ -166,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "demo":
+            return _demo(args)
         if args.command is None:
-            args = build_parser().parse_args(["demo"])
-        return _demo(args)
+            args = build_parser().parse_args(["bench"])
+        return _bench(args)
     except NextnGraphError as exc:
         print(f"nextn-graph: error: {exc}", file=sys.stderr)
         return 2

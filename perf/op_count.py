@@ -14,35 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from nextn_graph.checkpoint import random_models  # noqa: E402
+from nextn_graph.graph.counting import OpCounter  # noqa: E402
 from nextn_graph.memory.batch import Chunk, ForwardBatch  # noqa: E402
 from nextn_graph.memory.pool import PoolLayout  # noqa: E402
 from nextn_graph.presets import preset_config  # noqa: E402
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.views = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        self.views += func.is_view
-        return func(*args, **(kwargs or {}))
-
-    def summary(self) -> dict:
-        total = sum(self.ops.values())
-        return {"total": total, "non_view": total - self.views,
-                "top": dict(self.ops.most_common(5))}
 
 
 def count(fn) -> dict:

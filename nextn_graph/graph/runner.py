@@ -15,7 +15,9 @@ that is not captured runs eagerly over the same buffers. Both are counted.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from typing import Callable, ContextManager
 
 import torch
 
@@ -62,6 +64,8 @@ class RoundRunner:
     graphs: dict[tuple[str, int], Graph] = field(default_factory=dict)
     records: list[CaptureRecord] = field(default_factory=list)
     counters: ReplayCounters = field(default_factory=ReplayCounters)
+    # Profiling hook: tracer(kind, replayed) -> context manager around each phase.
+    tracer: Callable[[str, bool], ContextManager] | None = None
     _addresses: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -134,19 +138,26 @@ class RoundRunner:
             self._check_addresses()
         for kind in self._round_kinds():
             graph = self.graphs.get((kind, bucket))
-            if graph is None:
-                self._kind_fn(kind)(bucket)
-                c.eager_fallbacks += int(self.backend.captures)
-                continue
-            update = None
-            if graph.update_ops:
-                ctx = UpdateContext(bucket, self.num_steps + 1, tuple(rows) + (0,) * (bucket - b),
-                                    tuple(lengths) + (0,) * (bucket - b))
-                update = self.updates.derive(graph.update_ops, ctx)
-                c.graph_updates += 1
-            graph.replay(update)
-            c.graph_replays += 1
+            with self.tracer(kind, graph is not None) if self.tracer else nullcontext():
+                self._run_phase(kind, bucket, graph, rows, lengths)
         return self._readback(b)
+
+    def _run_phase(self, kind: str, bucket: int, graph: Graph | None, rows: list[int],
+                   lengths: list[int]) -> None:
+        c, b = self.counters, len(rows)
+        if graph is None:
+            self._kind_fn(kind)(bucket)
+            c.eager_fallbacks += int(self.backend.captures)
+            return
+        update = None
+        if graph.update_ops:
+            pad = (0,) * (bucket - b)
+            ctx = UpdateContext(bucket, self.num_steps + 1, tuple(rows) + pad,
+                                tuple(lengths) + pad)
+            update = self.updates.derive(graph.update_ops, ctx)
+            c.graph_updates += 1
+        graph.replay(update)
+        c.graph_replays += 1
 
     def _readback(self, b: int) -> RoundResult:
         """The round's one host sync: accept_lens, predictions and drafts of b requests."""

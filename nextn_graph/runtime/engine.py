@@ -119,6 +119,23 @@ class SpecEngine:
         self._waiting.append(Request(rid, prompt, max_new_tokens, stops))
         return rid
 
+    def abort(self, rid: int) -> bool:
+        """Drop a request (a client went away): its row returns to the pool at once.
+
+        Returns False when ``rid`` is unknown or already finished. Other requests
+        are untouched: their state lives in their own rows.
+        """
+        for req in list(self._waiting):
+            if req.rid == rid:
+                self._waiting.remove(req)
+                return True
+        for row, req in self._running.items():
+            if req.rid == rid and not req.finished:
+                del self._running[row]
+                self.models.target_pool.release(row)
+                return True
+        return False
+
     @property
     def lookahead(self) -> int:
         """Positions a verify window writes past a request's last output: S - 1."""

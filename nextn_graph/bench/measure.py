@@ -1,0 +1,174 @@
+"""The replay benchmark: eager vs graph, speculative vs plain, per bucket, one run.
+
+For every bucket B of the config, B requests run side by side on four engines
+built once: speculative and plain decoding, each eager and on the config's
+graph backend. After warm-up, each steady round (all B requests running, no
+admission) is timed on the host; one more round is counted: kernel-launching
+ops per phase in eager mode, replays + staging copies + updates (+ the ops of
+any phase left eager) in graph mode. Requests are then aborted, so every
+measurement starts from the same state. Repeats give a median and its spread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import RunConfig
+from ..graph.counting import OpCounter
+from ..runtime.engine import SpecEngine
+from ..train import Corpus, TrainSettings
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    warmup_rounds: int = 3
+    timed_rounds: int = 24
+    repeats: int = 3
+    seed: int = 11
+
+
+@dataclass
+class Engines:
+    eager_spec: SpecEngine
+    graph_spec: SpecEngine
+    eager_plain: SpecEngine
+    graph_plain: SpecEngine
+
+
+def build_engines(models, cfg: RunConfig, progress: bool) -> Engines:
+    eager = replace(cfg.graph, backend="eager")
+    return Engines(
+        eager_spec=SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, eager),
+        graph_spec=SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
+                              progress=progress),
+        eager_plain=SpecEngine(models.target, models.draft, None, cfg.pool, eager),
+        graph_plain=SpecEngine(models.target, models.draft, None, cfg.pool, cfg.graph,
+                               progress=progress))
+
+
+@contextmanager
+def _phase_counter(runner, per_phase: dict[str, int]):
+    """Count eager kernel launches per phase; a replay counts as its own submission."""
+    def tracer(kind: str, replayed: bool):
+        return _count_into(per_phase, kind, replayed)
+
+    runner.tracer = tracer
+    try:
+        yield
+    finally:
+        runner.tracer = None
+
+
+@contextmanager
+def _count_into(per_phase: dict[str, int], kind: str, replayed: bool):
+    if replayed:
+        yield
+        return
+    with OpCounter() as counter:
+        yield
+    per_phase[kind] = per_phase.get(kind, 0) + counter.launches
+
+
+def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings) -> dict:
+    """Steady rounds of ``len(prompts)`` requests on one engine."""
+    rounds = 1 + st.warmup_rounds + st.timed_rounds + 1
+    max_new = rounds * (engine.num_steps + 1) + 1  # nobody finishes inside the window
+    times, tokens = [], 0
+    rids = [engine.add_request(p, max_new, stop_ids=[]) for p in prompts]
+    before = engine.stats.as_dict()
+    engine.step()  # admission and prefill, then the first round
+    for i in range(st.warmup_rounds + st.timed_rounds):
+        start = time.perf_counter()
+        outs = engine.step()
+        elapsed = time.perf_counter() - start
+        if len(outs) != len(prompts) or any(o.finished for o in outs):
+            raise RuntimeError("benchmark round was not steady (a request finished early)")
+        if i >= st.warmup_rounds:
+            times.append(elapsed)
+            tokens += sum(len(o.new_tokens) for o in outs)
+    counters_before = engine.runner.counters.as_dict()
+    per_phase: dict[str, int] = {}
+    with _phase_counter(engine.runner, per_phase), OpCounter() as whole:
+        engine.step()
+    counters = {k: v - counters_before[k] for k, v in engine.runner.counters.as_dict().items()}
+    after = engine.stats.as_dict()
+    for rid in rids:
+        engine.abort(rid)
+    rounds_done = after["rounds"] - before["rounds"]
+    return {
+        "round_s": times, "tokens": tokens,
+        "eager_launches": whole.launches,  # every op of the counted round
+        "phase_launches": per_phase,  # ops of phases that ran eagerly
+        "replays": counters["graph_replays"], "staging_copies": counters["staging_copies"],
+        "updates": counters["graph_updates"], "eager_fallbacks": counters["eager_fallbacks"],
+        "accepted": after["accepted_drafts"] - before["accepted_drafts"],
+        "request_rounds": after["request_rounds"] - before["request_rounds"],
+        "proposed": after["proposed_drafts"] - before["proposed_drafts"],
+        "nextn_forwards": (after["nextn_extend_forwards"] - before["nextn_extend_forwards"]
+                           + after["nextn_decode_forwards"] - before["nextn_decode_forwards"]),
+        "rounds": rounds_done,
+    }
+
+
+def _summary(runs: list[dict], graph: bool) -> dict:
+    medians = [statistics.median(r["round_s"]) * 1000 for r in runs]
+    all_ms = sorted(t * 1000 for r in runs for t in r["round_s"])
+    last = runs[-1]
+    if graph:
+        fallback_ops = sum(last["phase_launches"].values())
+        submissions = last["replays"] + last["staging_copies"] + last["updates"] + fallback_ops
+        by_phase = {"replays": last["replays"], "staging_copies": last["staging_copies"],
+                    "updates": last["updates"], "eager_fallback_ops": fallback_ops}
+    else:
+        submissions, by_phase = last["eager_launches"], dict(last["phase_launches"])
+    tok_s = [r["tokens"] / sum(r["round_s"]) for r in runs]
+    median = statistics.median(medians)
+    return {
+        "submissions_per_round": submissions, "submissions": by_phase,
+        "replays_per_round": last["replays"] if graph else 0,
+        "round_ms_median": median, "round_ms_p90": all_ms[int(0.9 * (len(all_ms) - 1))],
+        "round_ms_repeats": [round(m, 3) for m in medians],
+        "noise": (max(medians) - min(medians)) / median if median else 0.0,
+        "tokens_per_s": statistics.median(tok_s),
+    }
+
+
+def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
+                 tick=lambda: None) -> dict:
+    runs: dict[str, list[dict]] = {name: [] for name in vars(engines)}
+    for _ in range(st.repeats):  # interleaved, so drift hits every mode alike
+        for name, engine in vars(engines).items():
+            with torch.no_grad():
+                runs[name].append(measure(engine, prompts, st))
+            tick()
+    spec = runs["graph_spec"]
+    request_rounds = sum(r["request_rounds"] for r in spec)
+    accepted = sum(r["accepted"] for r in spec)
+    eager, graph = _summary(runs["eager_spec"], False), _summary(spec, True)
+    plain_eager, plain_graph = _summary(runs["eager_plain"], False), _summary(runs["graph_plain"], True)
+    s = engines.graph_spec.num_steps
+    return {
+        "bucket": len(prompts), "num_steps": s, "verify_width": s + 1,
+        "nextn_forwards_per_round": spec[-1]["nextn_forwards"] / spec[-1]["rounds"],
+        "eager": eager, "graph": graph,
+        "submission_ratio": eager["submissions_per_round"] / graph["submissions_per_round"],
+        "latency_ratio": graph["round_ms_median"] / eager["round_ms_median"],
+        "plain": {"eager": plain_eager, "graph": plain_graph},
+        "spec_vs_plain": {
+            "acceptance_length": (accepted + request_rounds) / request_rounds,
+            "draft_acceptance_rate": accepted / max(sum(r["proposed"] for r in spec), 1),
+            "speedup": graph["tokens_per_s"] / plain_graph["tokens_per_s"],
+            "speedup_eager": eager["tokens_per_s"] / plain_eager["tokens_per_s"],
+        },
+    }
+
+
+def bench_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """In-distribution prompts for the trained checkpoint (16..40 tokens)."""
+    corpus = Corpus(vocab, TrainSettings().phrases, torch.Generator().manual_seed(seed))
+    return [corpus.sample(16 + (8 * i) % 25) for i in range(n)]

@@ -1,0 +1,140 @@
+"""Bench outputs: the terminal table, JSON, a Markdown report and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+HEADER = ("bucket", "NextN fwd", "eager subm", "graph subm", "replays", "subm ratio",
+          "eager ms", "graph ms", "graph/eager", "acc len", "spec/plain")
+
+
+def _rows(report: dict) -> list[tuple[str, ...]]:
+    rows = []
+    for r in report["buckets"]:
+        sp = r["spec_vs_plain"]
+        rows.append((str(r["bucket"]), f"{r['nextn_forwards_per_round']:.0f}",
+                     str(r["eager"]["submissions_per_round"]),
+                     str(r["graph"]["submissions_per_round"]),
+                     str(r["graph"]["replays_per_round"]), f"{r['submission_ratio']:.0f}x",
+                     f"{r['eager']['round_ms_median']:.2f}",
+                     f"{r['graph']['round_ms_median']:.2f}", f"{r['latency_ratio']:.2f}",
+                     f"{sp['acceptance_length']:.2f}", f"{sp['speedup']:.2f}x"))
+    return rows
+
+
+def _summary_lines(report: dict) -> list[str]:
+    cap, sv, s = report["capture"], report["spec_vs_plain"], report["settings"]
+    return [f"capture: {len(cap['records'])} graphs in {cap['total_s']:.2f} s, "
+            f"{cap['total_mb']:.1f} MiB; padding waste over batch sizes 1.."
+            f"{len(report['padding']['per_batch_size'])}: "
+            f"{100 * report['padding']['waste']:.0f}% of real rows",
+            f"speculative vs plain on {s['backend']}: {sv['speedup']:.2f}x at acceptance "
+            f"length {sv['acceptance_length']:.2f} (strict draft acceptance "
+            f"{sv['draft_acceptance_rate']:.2f})"]
+
+
+def table(report: dict) -> str:
+    rows = [HEADER, *_rows(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    s = report["settings"]
+    head = (f"backend {s['backend']}, torch {s['torch']}, {s['threads']} thread(s); "
+            f"per steady round, medians of {s['bench']['repeats']} repeats")
+    return "\n".join([head, *lines, *_summary_lines(report)])
+
+
+def markdown(report: dict) -> str:
+    rows = [HEADER, ("---",) * len(HEADER), *_rows(report)]
+    body = "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    caps = "\n".join(
+        f"| {c['kind']} | {c['bucket']} | {c['seconds'] * 1000:.1f} | "
+        f"{c['nbytes'] / 2**20:.2f} | {c['ops']} |" for c in report["capture"]["records"])
+    noise = ", ".join(f"B={r['bucket']}: eager {100 * r['eager']['noise']:.0f}% / graph "
+                      f"{100 * r['graph']['noise']:.0f}%" for r in report["buckets"])
+    s = report["settings"]
+    return f"""# nextn_graph replay benchmark
+
+Config `{s['config']}`, backend `{s['backend']}`, torch {s['torch']}, {s['machine']},
+{s['threads']} thread(s). Per steady round (every request running, none admitted);
+submissions are kernel-launching ops in eager mode, replays + staging copies +
+updates in graph mode.
+
+{body}
+
+{chr(10).join(_summary_lines(report))}
+
+Spread of the repeat medians (max - min over median): {noise}.
+
+## Capture
+
+| kind | bucket | ms | MiB | ops |
+|---|---|---|---|---|
+{caps}
+
+Total {report['capture']['total_s']:.2f} s. Padding waste over batch sizes 1..{len(report['padding']['per_batch_size'])}:
+{100 * report['padding']['waste']:.0f}% of real rows.
+
+![round latency](round_latency.png) ![submissions](submissions.png)
+![speed-up vs acceptance](speedup_vs_acceptance.png)
+"""
+
+
+def plots(report: dict, out_dir: Path) -> list[Path]:
+    buckets = [r["bucket"] for r in report["buckets"]]
+    x = range(len(buckets))
+    paths = []
+
+    def bars(name: str, key: str, ylabel: str, title: str, log: bool) -> None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        w, top = 0.38, 0.0
+        for i, mode in enumerate(("eager", "graph")):
+            vals = [r[mode][key] for r in report["buckets"]]
+            ax.bar([v + (i - 0.5) * w for v in x], vals, w, label=mode)
+            top = max(top, *vals)
+        ax.set_xticks(list(x), [str(b) for b in buckets])
+        ax.set_xlabel("bucket (requests per round)")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.set_ylim(top=top * (10 if log else 1.3))  # room for the legend above the bars
+        ax.set_title(title)
+        ax.legend(loc="upper center", ncol=2)
+        fig.tight_layout()
+        paths.append(out_dir / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    bars("round_latency.png", "round_ms_median", "host round latency, median (ms)",
+         "Round latency: eager vs graph", log=False)
+    bars("submissions.png", "submissions_per_round", "submissions per round (log)",
+         "Device submissions per round: eager vs graph", log=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    acc = [r["spec_vs_plain"]["acceptance_length"] for r in report["buckets"]]
+    sp = [r["spec_vs_plain"]["speedup"] for r in report["buckets"]]
+    ax.scatter(acc, sp)
+    for a, s, b in zip(acc, sp, buckets):
+        ax.annotate(f"B={b}", (a, s), textcoords="offset points", xytext=(4, 4))
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("acceptance length (tokens per request-round)")
+    ax.set_ylabel("speed-up, speculative / plain (tokens/s)")
+    ax.set_title(f"Speculative vs plain decoding ({report['settings']['backend']})")
+    fig.tight_layout()
+    paths.append(out_dir / "speedup_vs_acceptance.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_outputs(report: dict, out_dir: Path, json_path: Path | None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report["outputs"] = {"plots": [str(p) for p in plots(report, out_dir)],
+                         "markdown": str(out_dir / "bench.md"),
+                         "json": str(json_path or out_dir / "bench.json")}
+    (out_dir / "bench.md").write_text(markdown(report))
+    Path(report["outputs"]["json"]).write_text(json.dumps(report, indent=2, default=str))

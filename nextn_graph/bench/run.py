@@ -1,0 +1,88 @@
+"""``nextn-graph bench``: build the engines, measure every bucket, write the report."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_checkpoint
+from ..config import RunConfig
+from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
+from .report import write_outputs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
+    """Padded rows per batch size 1..max_requests under the bucket policy."""
+    rows = []
+    for b in range(1, max_requests + 1):
+        chunks = [min(buckets[-1], b - i) for i in range(0, b, buckets[-1])]
+        padded = sum(next(x for x in buckets if x >= c) - c for c in chunks)
+        rows.append({"batch": b, "padded_rows": padded, "chunks": len(chunks)})
+    real = sum(r["batch"] for r in rows)
+    return {"per_batch_size": rows,
+            "waste": sum(r["padded_rows"] for r in rows) / real}
+
+
+def _progress(done: int, total: int, text: str) -> None:
+    width = 24
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<40}")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
+              json_path: Path | None = None, progress: bool = True) -> dict:
+    start = time.perf_counter()
+    models = load_checkpoint(cfg.checkpoint, DTYPES[cfg.dtype], cfg.device)
+    engines = build_engines(models, cfg, progress)
+    buckets = cfg.graph.buckets
+    prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)
+    results, done, total = [], 0, len(buckets) * st.repeats * 4
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            _progress(done, total, "measuring rounds")
+
+    for b in buckets:
+        results.append(bench_bucket(engines, prompts[:b], st, tick))
+    records = [asdict(r) for r in engines.graph_spec.runner.records]
+    plain_records = [asdict(r) for r in engines.graph_plain.runner.records]
+    speedups = [r["spec_vs_plain"]["speedup"] for r in results]
+    report = {
+        "settings": {
+            "config": where, "run_config": asdict(cfg), "backend": cfg.graph.backend,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.platform(), "processor": platform.machine(),
+            "threads": torch.get_num_threads(), "bench": asdict(st),
+        },
+        "capture": {
+            "records": records, "plain_records": plain_records,
+            "total_s": sum(r["seconds"] for r in records),
+            "total_mb": sum(r["nbytes"] for r in records) / 2**20,
+        },
+        "buckets": results,
+        "spec_vs_plain": {
+            "speedup": statistics.geometric_mean(speedups),
+            "acceptance_length": statistics.mean(
+                r["spec_vs_plain"]["acceptance_length"] for r in results),
+            "draft_acceptance_rate": statistics.mean(
+                r["spec_vs_plain"]["draft_acceptance_rate"] for r in results),
+            "per_bucket": {r["bucket"]: r["spec_vs_plain"] for r in results},
+        },
+        "padding": padding_waste(buckets, cfg.pool.max_requests),
+        "wall_s": time.perf_counter() - start,
+    }
+    write_outputs(report, out_dir, json_path)
+    return report

@@ -80,8 +80,8 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings) -> 
     max_new = rounds * (engine.num_steps + 1) + 1  # nobody finishes inside the window
     times, tokens = [], 0
     rids = [engine.add_request(p, max_new, stop_ids=[]) for p in prompts]
-    before = engine.stats.as_dict()
     engine.step()  # admission and prefill, then the first round
+    before = engine.stats.as_dict()  # steady rounds only from here
     for i in range(st.warmup_rounds + st.timed_rounds):
         start = time.perf_counter()
         outs = engine.step()

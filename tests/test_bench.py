@@ -1,0 +1,106 @@
+"""The replay benchmark on a small config: the JSON is internally consistent.
+
+No timing is asserted: only that the counts add up and match the algorithm
+(NextN forwards per round = num_steps, verify width = num_steps + 1, replays
+per round = the captured kinds), and that every promised output exists.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nextn_graph.bench import BenchSettings, run_bench
+from nextn_graph.bench.run import padding_waste
+from nextn_graph.cli import main
+from nextn_graph.config import load_run_config
+
+SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)
+
+
+@pytest.fixture(scope="module", params=[3, 1], ids=["steps3", "steps1"])
+def report(request, tmp_path_factory):
+    steps = request.param
+    cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 256},
+                          graph={"buckets": [1, 2]},
+                          speculative={"num_steps": steps, "num_draft_tokens": steps + 1})
+    out = tmp_path_factory.mktemp(f"bench{steps}")
+    return run_bench(cfg, "test", SMALL, out, progress=False), steps, out
+
+
+def test_counts_add_up(report):
+    """Per bucket: NextN forwards = num_steps, verify width = num_steps + 1, graph
+    submissions = replays + staging copies + updates + eager-fallback ops, and replays
+    per round = the phases of a round (3, or 2 without a rollout)."""
+    rep, steps, _ = report
+    assert [b["bucket"] for b in rep["buckets"]] == [1, 2]
+    for b in rep["buckets"]:
+        assert b["nextn_forwards_per_round"] == steps
+        assert b["verify_width"] == steps + 1
+        g = b["graph"]
+        parts = g["submissions"]
+        assert g["submissions_per_round"] == (parts["replays"] + parts["staging_copies"]
+                                             + parts["updates"] + parts["eager_fallback_ops"])
+        assert g["replays_per_round"] == (3 if steps > 1 else 2) == parts["replays"]
+        assert parts["staging_copies"] == 2 and parts["updates"] == 0
+        e = b["eager"]
+        phases = e["submissions"]
+        assert set(phases) == ({"rollout", "target_verify", "draft_extend"} if steps > 1
+                               else {"target_verify", "draft_extend"})
+        assert e["submissions_per_round"] > sum(phases.values()) > 0  # + staging, readback
+        assert b["submission_ratio"] == pytest.approx(
+            e["submissions_per_round"] / g["submissions_per_round"])
+        sp = b["spec_vs_plain"]
+        assert 1.0 <= sp["acceptance_length"] <= steps + 1
+        assert 0.0 <= sp["draft_acceptance_rate"] <= 1.0
+        assert sp["speedup"] > 0 and b["latency_ratio"] > 0
+
+
+def test_capture_records_every_graph(report):
+    """One capture record per (kind, bucket), largest bucket first, with time and memory."""
+    rep, steps, _ = report
+    kinds = 3 if steps > 1 else 2
+    recs = rep["capture"]["records"]
+    assert len(recs) == 2 * kinds
+    assert [r["bucket"] for r in recs] == [2] * kinds + [1] * kinds
+    assert all(r["seconds"] > 0 and r["nbytes"] > 0 and r["ops"] > 0 for r in recs)
+    assert rep["capture"]["total_s"] == pytest.approx(sum(r["seconds"] for r in recs))
+    assert len(rep["capture"]["plain_records"]) == 2  # plain decoding: target_verify only
+
+
+def test_outputs_exist(report):
+    """JSON (with the keys the README promises), Markdown and three PNG plots."""
+    rep, _, out = report
+    data = json.loads((out / "bench.json").read_text())
+    for b in data["buckets"]:
+        for key in ("bucket", "nextn_forwards_per_round"):
+            assert key in b
+        assert {"submissions_per_round", "round_ms_median"} <= set(b["eager"])
+        assert {"submissions_per_round", "replays_per_round", "round_ms_median"} <= set(b["graph"])
+    assert {"speedup", "acceptance_length"} <= set(data["spec_vs_plain"])
+    assert data["settings"]["backend"] == "cpu" and data["settings"]["torch"]
+    assert "| bucket |" in (out / "bench.md").read_text()
+    for name in ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_padding_waste_policy():
+    """Padding per batch size follows the bucket policy, splitting above the largest."""
+    waste = padding_waste((1, 2, 4), 6)
+    rows = {r["batch"]: (r["padded_rows"], r["chunks"]) for r in waste["per_batch_size"]}
+    assert rows == {1: (0, 1), 2: (0, 1), 3: (1, 1), 4: (0, 1), 5: (0, 2), 6: (0, 2)}
+    assert waste["waste"] == pytest.approx(1 / 21)
+
+
+def test_bench_cli(tmp_path, capsys):
+    """`nextn-graph bench` prints the table and writes the JSON where asked."""
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text("pool: {max_requests: 1, max_context: 128}\ngraph: {buckets: [1]}\n")
+    rc = main(["bench", "--config", str(cfg), "--rounds", "2", "--warmup-rounds", "1",
+               "--repeats", "1", "--out", str(tmp_path / "o"), "--json",
+               str(tmp_path / "r.json"), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "graph/eager" in text and "spec/plain" in text
+    assert json.loads((tmp_path / "r.json").read_text())["buckets"][0]["bucket"] == 1

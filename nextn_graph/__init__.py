@@ -1,0 +1,24 @@
+"""DeepSeek-V4 MTP/NextN speculative decoding as static device graphs.
+
+The public API for embedding the engine in a server::
+
+    from nextn_graph import SpecEngine, load_run_config
+    engine = SpecEngine.from_config(load_run_config("capture_configs/cpu_default.yaml"))
+    rid = engine.add_request(prompt_ids, max_new_tokens=64)
+    while engine.has_work:
+        for out in engine.step():  # StepOutput(rid, new_tokens, finished, draft_tokens)
+            ...
+"""
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, load_run_config
+from .errors import (CapacityError, CheckpointError, ConfigError, InputError,
+                     NextnGraphError)
+from .graph.emulator import CaptureError
+from .runtime.engine import SpecEngine, StepOutput
+
+__all__ = [
+    "SpecEngine", "StepOutput", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",
+    "load_run_config", "load_checkpoint", "save_checkpoint", "NextnGraphError", "ConfigError",
+    "CheckpointError", "InputError", "CapacityError", "CaptureError",
+]

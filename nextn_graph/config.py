@@ -81,7 +81,8 @@ def _is(value: Any, kind: type) -> bool:
 def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
     """Strictly build dataclass ``cls`` from a YAML mapping."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: {prefix or 'top level'} must be a mapping")
+        what = f"key {prefix.rstrip('.')!r}" if prefix else "top level"
+        raise ConfigError(f"{where}: {what} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
@@ -137,16 +138,21 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
     if pool.max_context < spec.verify_width + 1:
         raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
                           f"than one verify window plus a prompt token")
-    graph = cfg.graph
-    if not graph.buckets:  # auto: powers of two below the pool, and the pool itself
-        auto = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < pool.max_requests]
-        graph = dataclasses.replace(graph, buckets=tuple(auto + [pool.max_requests]))
-    _check_graph(graph, pool, where)
+    graph = resolve_graph(cfg.graph, pool, where)
     needs = {"cuda": "cuda", "npu": "npu", "torchair": "npu", "cpu": "cpu"}.get(graph.backend)
     if needs is not None and cfg.device != needs:
         raise ConfigError(f"{where}: key 'graph.backend' {graph.backend!r} needs device "
                           f"{needs!r}, but key 'device' is {cfg.device!r}")
     return dataclasses.replace(cfg, speculative=spec, graph=graph)
+
+
+def resolve_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> GraphConfig:
+    """Fill auto buckets (powers of two below the pool, and the pool itself), check."""
+    if not graph.buckets:
+        auto = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < pool.max_requests]
+        graph = dataclasses.replace(graph, buckets=tuple(auto + [pool.max_requests]))
+    _check_graph(graph, pool, where)
+    return graph
 
 
 def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:

@@ -154,16 +154,16 @@ def test_demo_plain_equals_reference(ckpt, capsys):
     assert "plain" in modes and "reference" in modes
 
 
-def test_no_arguments_runs_the_demo(monkeypatch):
-    """`nextn-graph` with no arguments runs the demo with the demo's own defaults."""
+def test_no_arguments_runs_the_bench(monkeypatch):
+    """`nextn-graph` with no arguments runs the bench (the main job) with its defaults."""
     import nextn_graph.cli as cli
 
     seen = []
-    monkeypatch.setattr(cli, "_demo", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.append(args) or 0)
     assert main([]) == 0
     assert len(seen) == 1
-    assert vars(seen[0]) == vars(cli.build_parser().parse_args(["demo"]))
-    assert seen[0].command == "demo"
+    assert vars(seen[0]) == vars(cli.build_parser().parse_args(["bench"]))
+    assert seen[0].command == "bench" and seen[0].config is None
 
 
 def test_module_entry_point(ckpt, tmp_path):
@@ -183,3 +183,12 @@ def test_module_entry_point(ckpt, tmp_path):
         cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "checkpoint directory not found" in proc.stderr
+
+
+def test_embedding_example_runs():
+    """examples/serve.py, the README's embedding example, runs to completion."""
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "serve.py")], cwd=REPO,
+                          env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = [line for line in proc.stdout.splitlines() if " done: " in line]
+    assert len(done) == 3

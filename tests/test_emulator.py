@@ -99,15 +99,14 @@ FORBIDDEN = [
     (_int, "int() of a tensor"), (_nonzero, "aten.nonzero"), (_where_one_arg, "aten.nonzero"),
     (_mask_index, "boolean-mask indexing"), (_unique, "unique"),
     (_repeat_interleave, "repeat_interleave without output_size"),
-    (_host_tensor, "torch.tensor(...)"), (_rand, "aten.rand."), (_randn, "aten.randn."),
+    (_host_tensor, "a tensor built from host data"), (_rand, "aten.rand."), (_randn, "aten.randn."),
     (_dropout, "RNG op bernoulli"),
 ]
 
 
 @pytest.mark.parametrize("case, names", FORBIDDEN, ids=[c.__name__[1:] for c, _ in FORBIDDEN])
 def test_capture_refuses_what_a_graph_cannot_hold(case, names):
-    """Each host sync / dynamic shape / host tensor / RNG op raises CaptureError naming
-    the op and this file's calling line, and leaves an empty, unreplayable graph."""
+    """A graph-unsafe op raises CaptureError naming it and this file:line, leaving no steps."""
     x = torch.arange(6.0)
     mask = x > 2
     graph = CpuGraph()
@@ -128,8 +127,7 @@ def test_capture_refuses_what_a_graph_cannot_hold(case, names):
 
 
 def test_repeat_interleave_with_output_size_is_captured():
-    """repeat_interleave with output_size is graph-safe: captured, and a replay follows
-    new repeat counts of the same total."""
+    """repeat_interleave with output_size is captured, and replays follow new repeat counts."""
     x, reps = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 2, 3])
     graph = CpuGraph()
     out = graph.capture(lambda: x.repeat_interleave(reps, output_size=6))
@@ -149,8 +147,7 @@ def _engine(tiny, num_steps: int, buckets=(1, 2, 4)) -> SpecEngine:
 
 
 def test_model_phases_capture_cleanly(tiny):
-    """rollout, target_verify and draft_extend of the tiny model capture under the strict
-    emulator for every bucket, largest bucket first, each with ops and memory recorded."""
+    """All three phase kinds capture cleanly for every bucket, largest first, with ops and bytes."""
     engine = _engine(tiny, num_steps=3)
     records = engine.runner.records
     got = {(r.kind, r.bucket) for r in records}
@@ -162,7 +159,7 @@ def test_model_phases_capture_cleanly(tiny):
 
 
 def test_one_step_captures_no_rollout(tiny):
-    """With num_steps 1 candidate 1 comes from draft extend: no rollout graph is captured."""
+    """With num_steps 1 (candidate 1 from draft extend) no rollout graph is captured."""
     engine = _engine(tiny, num_steps=1, buckets=(1, 2))
     got = {(r.kind, r.bucket) for r in engine.runner.records}
     assert got == {(k, b) for k in ("target_verify", "draft_extend") for b in (1, 2)}
@@ -240,15 +237,13 @@ def _check_parity(tiny, make_pool, forward, hidden_rows: bool) -> None:
 
 
 def test_target_forward_replays_bitwise(tiny):
-    """The target's cached forward captured once replays decode steps of a changing
-    set of requests (1-2 rows each, padding rows) bitwise equal to eager, KV included."""
+    """A captured target forward replays changing padded decode batches bitwise equal to eager."""
     _check_parity(tiny, lambda: tiny.target_pool(4, 64, 4),
                   lambda batch, hidden, pool: tiny.target(batch, pool), hidden_rows=False)
 
 
 def test_draft_forward_replays_bitwise(tiny):
-    """The NextN draft's cached forward (tokens + hidden) captured once replays bitwise
-    equal to eager over changing batches and hidden inputs, KV included."""
+    """A captured NextN draft forward replays new batches and hidden bitwise equal to eager."""
     _check_parity(tiny, lambda: tiny.draft_pool(4, 64, 4),
                   lambda batch, hidden, pool: tiny.draft(batch, hidden, pool), hidden_rows=True)
 
@@ -256,8 +251,7 @@ def test_draft_forward_replays_bitwise(tiny):
 # -- 4. replay semantics -------------------------------------------------------------
 
 def test_inplace_ops_rerun_on_replay():
-    """In-place ops on captured tensors run again on every replay: a counter captured
-    once and replayed 3 times is 3 beyond its captured value."""
+    """In-place ops re-run on every replay: a captured counter replayed 3 times gains 3."""
     counter = torch.zeros((), dtype=torch.int64)
     table, idx = torch.zeros(4), torch.tensor([1, 3])
     graph = CpuGraph()
@@ -274,8 +268,7 @@ def test_inplace_ops_rerun_on_replay():
 
 
 def test_outputs_are_overwritten_by_next_replay():
-    """A replay writes into the same static output tensor: a clone taken before keeps
-    its value while the static output changes in place."""
+    """The next replay overwrites the static output in place; an earlier clone keeps its value."""
     x = torch.arange(4.0)
     graph = CpuGraph()
     out = graph.capture(lambda: x * 2 + 1)
@@ -288,8 +281,7 @@ def test_outputs_are_overwritten_by_next_replay():
 
 
 def test_views_follow_static_inputs():
-    """Views of static inputs alias them (and are not recorded as copies); ops over
-    views, reshape copies and matmul's _unsafe_view follow new input data on replay."""
+    """Views alias static inputs, and results over views / reshapes / matmul follow new inputs."""
     x = torch.arange(12.0).view(3, 4)
     w = torch.linspace(-1.0, 1.0, 8).view(4, 2)
 
@@ -309,8 +301,7 @@ def test_views_follow_static_inputs():
 # -- 5. updates of host arguments -----------------------------------------------------
 
 def test_update_rewrites_host_lengths_before_replay():
-    """A recorded updatable op replays with the lens given to update(); a graph built
-    with require_update refuses a replay with no update since the last one."""
+    """update() lens change the next replay; require_update refuses a replay without update()."""
     op = _seqlen_op()
     x = torch.tensor([1.0, 2.0])
     graph = CpuGraph(require_update=True, updatable=_registry())
@@ -331,8 +322,7 @@ def test_update_rewrites_host_lengths_before_replay():
 
 
 def test_update_dicts_per_op_count_and_broadcast():
-    """With two recorded updatable ops: two dicts go one per op in capture order, one
-    dict broadcasts to both, any other count raises CaptureError."""
+    """Two updatable ops take one dict each in order, one dict broadcasts, other counts raise."""
     op = _seqlen_op()
     x = torch.tensor([1.0])
     graph = CpuGraph(require_update=True, updatable=_registry())
@@ -350,8 +340,7 @@ def test_update_dicts_per_op_count_and_broadcast():
 
 
 def test_cpu_backend_replays_derived_updates():
-    """CpuBackend with a registry: the graph lists the updatable op, the registry derives
-    its dict from an UpdateContext, replay(update) applies it, replay() alone raises."""
+    """CpuBackend graphs list updatable ops and replay dicts the registry derives from a context."""
     op = _seqlen_op()
     reg = _registry()
     x = torch.tensor([1.0, 10.0])
@@ -369,8 +358,7 @@ def test_cpu_backend_replays_derived_updates():
 # -- 6. is_capturing ---------------------------------------------------------------
 
 def test_cpu_backend_is_capturing_only_inside_capture():
-    """is_capturing() is True from inside the captured function and False before, after
-    a capture, and after a failed one."""
+    """is_capturing() is True inside the captured function only (not after success or failure)."""
     backend = CpuBackend()
     x = torch.ones(3)
     seen = []

@@ -74,8 +74,7 @@ def expected(trained):
 # -- 1. NPUGraph adapter drives the engine --------------------------------------------
 
 def test_npu_backend_engine_equals_eager_and_reference(trained, expected):
-    """The NPU adapter over the fake namespace captures all six graphs and generates the
-    eager engine's (and the oracle's) tokens with the same acceptance, through replays."""
+    """The NPU adapter engine (fake namespace) replays graphs and equals eager and the oracle."""
     reg = UpdateRegistry()
     backend = NpuBackend(reg, namespace=make_fake_npu(reg))
     engine = SpecEngine(trained.target, trained.draft, SPEC, POOL,
@@ -95,9 +94,7 @@ def test_npu_backend_engine_equals_eager_and_reference(trained, expected):
 # -- 2. updates derived from what was captured ---------------------------------------
 
 def test_npu_updates_are_derived_from_the_captured_records():
-    """Two recorded updatable ops: update_ops lists both, the registry derives one dict
-    each from an UpdateContext, replay(update) calls the fake graph's update once and
-    replays with the new lens; a replay without (or with too few) dicts raises."""
+    """NPU update dicts are derived from the captured records and applied by replay(update)."""
     op = _seqlen_op()
     reg = _registry()
     fake = make_fake_npu(reg)
@@ -124,8 +121,7 @@ def test_npu_updates_are_derived_from_the_captured_records():
 
 
 def test_npu_capture_fails_for_recorded_op_without_rule():
-    """An updatable op recorded by the graph but missing from the backend's registry
-    fails at capture, naming the op, not at the first replay."""
+    """An updatable op recorded without a registered rule fails at capture, naming the op."""
     op = _seqlen_op()
     fake = make_fake_npu(_registry())  # the graph records the op ...
     backend = NpuBackend(UpdateRegistry(), namespace=fake)  # ... we hold no rule for it
@@ -137,8 +133,7 @@ def test_npu_capture_fails_for_recorded_op_without_rule():
 # -- 3. the fake mirrors torch_npu's refusal ------------------------------------------
 
 def test_fake_npugraph_update_needs_auto_dispatch_capture():
-    """NPUGraph.update raises RuntimeError for a graph captured without
-    auto_dispatch_capture=True (and such a capture records nothing to update)."""
+    """The fake NPUGraph.update raises RuntimeError unless captured with auto_dispatch_capture."""
     op = _seqlen_op()
     fake = make_fake_npu(_registry())
     x = torch.ones(2)
@@ -160,8 +155,7 @@ def test_fake_npugraph_update_needs_auto_dispatch_capture():
 # -- 4. torchair: compile per graph, capture limit ------------------------------------
 
 def test_torchair_captures_by_calling_and_enforces_limit():
-    """The torchair adapter compiles, runs once at capture, replays by calling, and
-    refuses the capture past its limit with a CaptureError naming the limit."""
+    """torchair captures by compiling + calling, replays by calling, refuses past its limit."""
     compiled = []
     backend = TorchairBackend(compile_fn=lambda f: compiled.append(f) or f, capture_limit=3)
     counter = torch.zeros((), dtype=torch.int64)
@@ -175,8 +169,7 @@ def test_torchair_captures_by_calling_and_enforces_limit():
 
 
 def test_torchair_engine_equals_eager(trained, expected):
-    """An engine on the torchair adapter (identity compile) captures 6 graphs under the
-    limit of 64 and equals eager; a limit of 5 refuses the engine at start-up."""
+    """A torchair engine (6 graphs, limit 64) equals eager; limit 5 refuses it at start-up."""
     backend = TorchairBackend(compile_fn=lambda f: f, capture_limit=64)
     graph_cfg = GraphConfig(backend="torchair", buckets=(1, 2))
     engine = SpecEngine(trained.target, trained.draft, SPEC, POOL, graph_cfg, backend=backend)
@@ -192,17 +185,16 @@ def test_torchair_engine_equals_eager(trained, expected):
 
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed: its absence cannot be tested")
 def test_npu_backends_without_torch_npu_raise_config_error(trained):
-    """Choosing npu fails at once, torchair at its first capture (engine start-up), both
-    with a ConfigError naming torch_npu; importing the modules never imports it."""
+    """Without torch_npu, choosing npu or torchair raises ConfigError naming torch_npu at
+    once (not at the first capture), and an engine asking for either fails at start-up."""
     import nextn_graph.graph.backends  # noqa: F401
     import nextn_graph.graph.npu  # noqa: F401
 
     assert "torch_npu" not in sys.modules
     with pytest.raises(ConfigError, match="torch_npu"):
         make_backend("npu")
-    backend = make_backend("torchair")  # lazy: torch_npu is first needed to compile
     with pytest.raises(ConfigError, match="torch_npu"):
-        backend.capture(lambda: None, None)
+        make_backend("torchair")
     with pytest.raises(ConfigError, match="torch_npu"):
         SpecEngine(trained.target, trained.draft, SPEC, POOL,
                    GraphConfig(backend="torchair", buckets=(1,)))
@@ -210,9 +202,7 @@ def test_npu_backends_without_torch_npu_raise_config_error(trained):
 
 
 def test_importing_the_package_never_imports_torch_npu(tmp_path):
-    """With a torch_npu on the path that announces its import (then fails), a fresh
-    interpreter imports every graph module and builds the cpu and eager backends
-    without touching it; only choosing npu reaches it, as a ConfigError."""
+    """Importing the package never imports torch_npu; only choosing the npu backend does."""
     poison = tmp_path / "torch_npu"
     poison.mkdir()
     (poison / "__init__.py").write_text(
@@ -241,11 +231,12 @@ def test_importing_the_package_never_imports_torch_npu(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="cuda backend test needs a CUDA GPU (torch.cuda.is_available() is False)")
+                    reason="cuda backend needs a CUDA GPU: torch.cuda.is_available() is False")
 class TestCudaBackend:
+    """The cuda backend on a real GPU (skipped on CPU-only machines)."""
+
     def test_cuda_graphs_equal_eager_and_reference(self, expected):
-        """CUDA graphs (buckets 1, 2, 4) generate the tokens of eager-on-cuda and of the
-        CPU oracle, with the same acceptance, through replays."""
+        """CUDA graphs (buckets 1, 2, 4) equal eager on cuda and the CPU oracle, same acceptance."""
         models = load_checkpoint("builtin:tiny-trained", device="cuda")
         eager = SpecEngine(models.target, models.draft, SPEC, POOL).generate(
             PROMPTS, MAX_NEW, stop_ids=set())

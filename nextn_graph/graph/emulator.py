@@ -43,6 +43,7 @@ _HOST_SYNC_METHODS = {
     torch.Tensor.numpy: ".numpy()", torch.Tensor.__bool__: "bool() of a tensor",
     torch.Tensor.__int__: "int() of a tensor", torch.Tensor.__float__: "float() of a tensor",
     torch.Tensor.__index__: "a tensor used as a Python index",
+    torch.Tensor.cpu: ".cpu() (a device-to-host copy)",
 }
 _FORBIDDEN_OPS = {
     aten._local_scalar_dense.default: "host sync (reads a tensor value on the host)",
@@ -53,9 +54,10 @@ _FORBIDDEN_OPS = {
     aten._unique2.default: "unique (data-dependent output shape)",
     aten.unique_dim.default: "unique (data-dependent output shape)",
     aten.unique_consecutive.default: "unique_consecutive (data-dependent output shape)",
-    aten.lift_fresh.default: "a tensor built from host data (torch.tensor(...))",
-    aten.lift_fresh_copy.default: "a tensor built from host data (torch.tensor(...))",
 }
+# torch.tensor(...) inside a graph: a host-to-device copy at capture. A 0-dim one
+# is how PyTorch wraps a Python scalar (``y[idx] = 0.``), which graphs bake in.
+_HOST_DATA_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 _RNG_WORDS = ("rand", "normal", "bernoulli", "multinomial", "uniform", "exponential",
               "random", "dropout", "poisson", "cauchy", "geometric", "log_normal")
 
@@ -73,6 +75,8 @@ def _call_site() -> str:
 def _forbidden(func, args, kwargs) -> str | None:
     if func in _FORBIDDEN_OPS:
         return _FORBIDDEN_OPS[func]
+    if func in _HOST_DATA_OPS and args and args[0].dim() > 0:
+        return "a tensor built from host data (torch.tensor([...]))"
     name = func.__name__
     if name.startswith("repeat_interleave") and kwargs.get("output_size") is None and (
             len(args) < 4 or args[3] is None):
@@ -108,10 +112,18 @@ class _UpdateRecord:
 
 class _SyncGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _HOST_SYNC_METHODS:
-            raise CaptureError(f"capture: {_HOST_SYNC_METHODS[func]} is a host sync, "
-                               f"called at {_call_site()}")
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        what = _HOST_SYNC_METHODS.get(func)
+        if func is torch.Tensor.to and _to_host(args[1:], kwargs):
+            what = ".to('cpu') (a device-to-host copy)"
+        if what:
+            raise CaptureError(f"capture: {what} is a host sync, called at {_call_site()}")
+        return func(*args, **kwargs)
+
+
+def _to_host(args, kwargs) -> bool:
+    targets = list(args) + [kwargs.get("device")]
+    return any(str(t) == "cpu" for t in targets if isinstance(t, (str, torch.device)))
 
 
 class _Recorder(TorchDispatchMode):

@@ -89,6 +89,8 @@ class TorchairBackend:
 
     def __init__(self, compile_fn: Callable | None = None,
                  capture_limit: int = TORCHAIR_CAPTURE_LIMIT, namespace: Any = None):
+        if compile_fn is None:
+            _import_torch_npu()  # fail at start-up, not at the first capture
         self.compile_fn = compile_fn or self._torchair_compile
         self.capture_limit = capture_limit
         self.npu = namespace

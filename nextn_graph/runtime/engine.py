@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import GraphConfig, PoolConfig, SpeculativeConfig
+from ..config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, resolve_graph
 from ..errors import InputError
 from ..generate import GenerateResult, validate_prompt, validate_prompts
 from ..memory.pool import PoolLayout
@@ -86,7 +86,7 @@ class SpecEngine:
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
         bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
                                      self.device, dtype)
-        graph = graph or GraphConfig(backend="eager")
+        graph = resolve_graph(graph or GraphConfig(backend="eager"), pool, "graph config")
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates)
         self.runner = RoundRunner(
@@ -99,6 +99,16 @@ class SpecEngine:
         self._running: dict[int, Request] = {}  # by pool row
         self._next_rid = 0
         self.stats = SpecStats(verify_width=width)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":
+        """Load the config's checkpoint on its device and dtype, build and capture."""
+        from ..checkpoint import load_checkpoint  # checkpoint imports the model only
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
+        models = load_checkpoint(cfg.checkpoint, dtype, cfg.device)
+        return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
+                   progress=progress)
 
     # -- requests --------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,

@@ -18,6 +18,7 @@ to replay when an update it needs was not given.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import traceback
 from dataclasses import dataclass, field
@@ -92,14 +93,16 @@ def _forbidden(func, args, kwargs) -> str | None:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    flat = tree if isinstance(tree, (list, tuple)) else [tree]
-    out = []
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            out.extend(_tensors(x))
-    return out
+    """Every tensor in nested lists, tuples, dicts and dataclasses."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    elif isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensors(x)]
+    return []
 
 
 @dataclass
@@ -154,6 +157,7 @@ class CpuGraph:
     nbytes: int = 0
     _updated: bool = False
     _modes: contextlib.ExitStack | None = None
+    _uses: list = field(default_factory=list)  # per step: (tensors read, fresh outputs)
 
     @property
     def update_ops(self) -> list[str]:
@@ -167,14 +171,19 @@ class CpuGraph:
     def capture_begin(self) -> None:
         """Start recording (the ``with torch.npu.graph(g)`` style); see ``capture``."""
         self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
+        self._uses = []
         self._modes = contextlib.ExitStack()
         for mode in (torch.no_grad(), _SyncGuard(), _Recorder(self)):
             self._modes.enter_context(mode)
 
-    def capture_end(self, failed: bool = False) -> None:
+    def capture_end(self, failed: bool = False, keep: Any = None) -> None:
+        """Stop recording; ``keep``: outputs whose memory must outlive the replay."""
         self._modes.close()
         if failed:  # leave nothing half-captured behind
             self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
+        else:
+            self.nbytes = _share_memory(self._uses, _tensors(keep))
+        self._uses = []
         self._updated = False
 
     def capture(self, fn: Callable[[], Any]) -> Any:
@@ -185,7 +194,7 @@ class CpuGraph:
         except BaseException:
             self.capture_end(failed=True)
             raise
-        self.capture_end()
+        self.capture_end(keep=outputs)
         self.outputs = outputs
         return outputs
 
@@ -198,12 +207,13 @@ class CpuGraph:
             self.updates.append(rec)
             outs = _tensors(out)
             self.steps.append(lambda r=rec, o=outs: _copy_into(o, r.func._op(*r.args, **r.kwargs)))
-            self.nbytes += sum(t.nbytes for t in outs)
+            self._uses.append((_tensors(list(args) + list(kwargs.values())), outs))
             return
         # Steps call the C++ op (``._op``) directly: the Python OpOverload wrapper
         # costs a third of a tiny kernel's dispatch.
         if writes:  # in-place or out= op: run it again on the same tensors
             self.steps.append(functools.partial(func._op, *args, **kwargs))
+            self._uses.append((_tensors(list(args) + list(kwargs.values())), []))
             return
         outs = _tensors(out)
         if not outs:
@@ -211,7 +221,8 @@ class CpuGraph:
         inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list(kwargs.values()))}
         if any(o.untyped_storage().data_ptr() in inputs for o in outs):
             return  # a view (or an op like _unsafe_view that aliases): follows its input
-        self.nbytes += sum(o.untyped_storage().nbytes() for o in outs)
+        self._uses.append((_tensors(list(args) + list(kwargs.values())), outs))
+        args = _precast_scalars(func, args, outs[0].dtype)
         out_op = _out_variant(func)
         if out_op is not None and len(out_op[1]) == len(outs):
             # Write straight into the captured outputs: one kernel, no allocation.
@@ -263,6 +274,17 @@ def _out_variant(func) -> tuple[Any, tuple[str, ...]] | None:
     return None
 
 
+def _precast_scalars(func, args, dtype: torch.dtype) -> tuple:
+    """Python numbers in Tensor slots (PyTorch's wrapped scalars) become 0-dim tensors
+    of the float output dtype, once: the kernel would wrap and cast them on every
+    replay, and it computes in the output dtype either way (bitwise the same)."""
+    if not dtype.is_floating_point:
+        return tuple(args)
+    slots = [str(a.type) == "Tensor" for a in func._schema.arguments]
+    return tuple(torch.tensor(a, dtype=dtype) if i < len(slots) and slots[i] and isinstance(
+        a, (int, float)) and not isinstance(a, bool) else a for i, a in enumerate(args))
+
+
 def _fast_out_step(func, out_op, args, kwargs, outs) -> Callable[[], Any]:
     """A replay step writing into ``outs``: the public ``torch.<op>(..., out=)`` binding
     when it reproduces the captured result bitwise (it parses arguments faster than
@@ -283,6 +305,50 @@ def _fast_out_step(func, out_op, args, kwargs, outs) -> Callable[[], Any]:
         outs[0].copy_(expected)
         return slow
     return fast
+
+
+def _share_memory(uses: list, keep: list[torch.Tensor]) -> int:
+    """Let intermediates share memory, as a graph pool does: liveness over the recorded
+    steps, then every tensor on a storage a step allocated is re-pointed (``set_``) into
+    a block that an earlier, already dead intermediate of the same size used. Returns
+    the bytes the graph holds.
+
+    Parameters, pools, static buffers and ``keep`` (what the capture returned) are
+    never moved; a step's output never shares with its own inputs.
+    """
+    born: dict[int, int] = {}  # storage -> the step that allocated it
+    last: dict[int, int] = {}  # storage -> the last step that touches it
+    holders: dict[int, list[torch.Tensor]] = {}
+    size: dict[int, int] = {}
+    for i, (reads, outs) in enumerate(uses):
+        for t in outs:
+            ptr = t.untyped_storage().data_ptr()
+            born.setdefault(ptr, i)
+            size[ptr] = t.untyped_storage().nbytes()
+        for t in reads + outs:
+            ptr = t.untyped_storage().data_ptr()
+            last[ptr] = i
+            holders.setdefault(ptr, []).append(t)
+    pinned = {t.untyped_storage().data_ptr() for t in keep}
+    movable = sorted((p for p in born if p not in pinned and size[p] > 0), key=born.get)
+    by_end = sorted(movable, key=last.get)
+    free: dict[int, list] = {}  # nbytes -> blocks no live intermediate uses
+    block_of: dict[int, Any] = {}
+    total, j = 0, 0
+    for ptr in movable:
+        while j < len(by_end) and last[by_end[j]] < born[ptr]:
+            free.setdefault(size[by_end[j]], []).append(block_of[by_end[j]])
+            j += 1
+        if free.get(size[ptr]):
+            block = free[size[ptr]].pop()
+        else:
+            device = holders[ptr][0].device
+            block = torch.empty(size[ptr], dtype=torch.uint8, device=device).untyped_storage()
+            total += size[ptr]
+        block_of[ptr] = block
+        for t in holders[ptr]:
+            t.set_(block, t.storage_offset(), t.size(), t.stride())
+    return total + sum(size[p] for p in born if p in pinned)
 
 
 def _copy_into(outs: list[torch.Tensor], result) -> None:

@@ -31,6 +31,9 @@ class ForwardBatch:
     req_index: torch.Tensor  # [T] int64, pool request row; 0 = padding
     cache_start: torch.Tensor  # [T] first position this forward computes for the row's request
     seq_end: torch.Tensor  # [T] one past the last position this forward computes for it
+    # Static: how many request chunks the rows form (a padding row is its own), or None
+    # if unknown. It bounds the rows that can close a compressed block.
+    num_chunks: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -51,4 +54,16 @@ class ForwardBatch:
             for col, v in zip(cols, (0, 0, 0, 0, 1)):
                 col.append(v)
         t = [torch.tensor(col, dtype=torch.int64, device=device) for col in cols]
-        return ForwardBatch(*t)
+        return ForwardBatch(*t, num_chunks=len(chunks) + max(pad, 0))
+
+    def select(self, rows: torch.Tensor) -> "ForwardBatch":
+        """The rows ``rows`` [K] of this batch (index tensors only: capture-safe)."""
+        return ForwardBatch(*(f.index_select(0, rows) for f in (
+            self.input_ids, self.positions, self.req_index, self.cache_start, self.seq_end)),
+            num_chunks=self.num_chunks)
+
+    def max_block_closers(self, ratio: int) -> int:
+        """A static bound on rows with ``(p+1) % ratio == 0``: each chunk of n rows holds
+        at most n // ratio + 1, and the n // ratio sum to at most T // ratio."""
+        t = self.num_rows
+        return t if self.num_chunks is None else min(t, t // ratio + self.num_chunks)

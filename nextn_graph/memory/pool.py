@@ -48,19 +48,24 @@ class Ring:
     data: torch.Tensor
     size: int
 
-    def gather_recent(self, chunk: torch.Tensor, batch: ForwardBatch, span: int):
+    def gather_recent(self, chunk: torch.Tensor, batch: ForwardBatch, span: int,
+                      row_ids: torch.Tensor | None = None):
         """The ``span`` positions ending at each row's own: from the ring for positions
         before the row's ``cache_start``, else from this forward's ``chunk`` rows.
 
-        chunk: [T, F] -> (values [T, span, F], key_pos [T, span]); key_pos < 0 is invalid.
+        chunk: [T, F]; batch: the K rows asked about, which are ``row_ids`` [K] of the
+        forward (default: all T rows) -> (values [K, span, F], key_pos [K, span]);
+        key_pos < 0 is invalid.
         """
         t = chunk.shape[0]
+        if row_ids is None:
+            row_ids = torch.arange(t, device=chunk.device)
         offsets = torch.arange(span, device=chunk.device) - (span - 1)  # [span]
-        key_pos = batch.positions.unsqueeze(1) + offsets  # [T, span]
+        key_pos = batch.positions.unsqueeze(1) + offsets  # [K, span]
         safe_pos = key_pos.clamp(min=0)
-        slot = batch.req_index.unsqueeze(1) * self.size + safe_pos % self.size  # [T, span]
-        rows = torch.arange(t, device=chunk.device).unsqueeze(1) + offsets  # this forward's row
-        from_ring = (key_pos < batch.cache_start.unsqueeze(1)).unsqueeze(-1)  # [T, span, 1]
+        slot = batch.req_index.unsqueeze(1) * self.size + safe_pos % self.size  # [K, span]
+        rows = row_ids.unsqueeze(1) + offsets  # the forward's row holding each key
+        from_ring = (key_pos < batch.cache_start.unsqueeze(1)).unsqueeze(-1)  # [K, span, 1]
         values = torch.where(from_ring, self.data[slot], chunk[rows.clamp(0, t - 1)])
         return values, key_pos
 
@@ -84,6 +89,10 @@ class CompressedCache:
         closes = (batch.positions + 1) % ratio == 0
         slot = batch.req_index * self.per_request + (batch.positions + 1) // ratio - 1
         self.entries.index_copy_(0, torch.where(closes, slot, torch.zeros_like(slot)), entry)
+
+    def select_entries(self, batch: ForwardBatch, idx: torch.Tensor) -> torch.Tensor:
+        """Entries ``idx`` [T, k] of each row's request: [T, k, d]."""
+        return self.entries[batch.req_index.unsqueeze(1) * self.per_request + idx]
 
     def request_entries(self, batch: ForwardBatch) -> torch.Tensor:
         """All entry slots of each row's request: [T, per_request, d]."""

@@ -68,11 +68,11 @@ class Attention(nn.Module):
         cache.swa.write(kv, batch)
         if self.ratio:
             self.compressor.cached(x, batch, cache.compressed, self.rope)
-            entries = cache.compressed.request_entries(batch)  # [T, E, hd]
-            if self.ratio == 4:
+            if self.ratio == 4:  # only the indexer's top-k entries are read
                 idx, picked = self.indexer.cached(x, qr, batch, cache.index, self.rope)
-                entries = entries.gather(1, idx.unsqueeze(-1).expand(-1, -1, self.head_dim))
+                entries = cache.compressed.select_entries(batch, idx)  # [T, k, hd]
             else:
+                entries = cache.compressed.request_entries(batch)  # [T, E, hd]
                 n = entries.shape[1]
                 picked = torch.arange(n, device=x.device).unsqueeze(0) < (
                     (batch.positions + 1) // self.ratio).unsqueeze(1)  # [T, E]

@@ -63,11 +63,17 @@ class Compressor(nn.Module):
                rope: RopeTable) -> None:
         """Update the raw ring and write every entry a row of this forward closes."""
         raw = self.raw(x, batch.positions)  # [T, 2*coff*d]
-        cand, key_pos = cache.raw.gather_recent(raw, batch, self.span)  # [T, span, 2*coff*d]
+        # Pool only rows that can close a block: a static number K of rows, block
+        # closers first (a stable sort keeps them in row order), the rest padding.
+        closes = (batch.positions + 1) % self.ratio == 0  # [T]
+        k = batch.max_block_closers(self.ratio)
+        sel = torch.sort((~closes).to(torch.uint8), stable=True).indices[:k]  # [K]
+        rows = batch.select(sel)
+        cand, key_pos = cache.raw.gather_recent(raw, rows, self.span, sel)  # [K, span, 2cd]
         cache.raw.write(raw, batch)
-        pooled = self._pool(cand, key_pos >= 0)  # [T, d]; garbage on rows closing no block
-        block_start = (batch.positions + 1 - self.ratio).clamp(min=0)
-        cache.write_entries(self._finish(pooled, block_start, rope), batch, self.ratio)
+        pooled = self._pool(cand, key_pos >= 0)  # [K, d]; garbage on rows closing no block
+        block_start = (rows.positions + 1 - self.ratio).clamp(min=0)
+        cache.write_entries(self._finish(pooled, block_start, rope), rows, self.ratio)
 
     def dense(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """All finished entries of one sequence: x [S, D] -> [S // ratio, d]."""

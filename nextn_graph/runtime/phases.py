@@ -20,6 +20,7 @@ depends on data, so each can be captured as a graph as it stands.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ def window_batch(tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) 
         positions=positions.reshape(-1),
         req_index=rows.unsqueeze(1).expand(b, w).reshape(-1),
         cache_start=start.unsqueeze(1).expand(b, w).reshape(-1),
-        seq_end=(start + w).unsqueeze(1).expand(b, w).reshape(-1))
+        seq_end=(start + w).unsqueeze(1).expand(b, w).reshape(-1), num_chunks=b)
 
 
 def rollout(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, cand1: torch.Tensor,
@@ -105,7 +106,6 @@ def prefill(m: SpecModels, rows: list[int], prompts: list[list[int]], device,
         return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last])
     shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p
     shifted = shifted.index_put((last,), bonus)
-    draft_batch = ForwardBatch(shifted, batch.positions, batch.req_index, batch.cache_start,
-                               batch.seq_end)
+    draft_batch = dataclasses.replace(batch, input_ids=shifted)
     dout = m.draft(draft_batch, out.hidden, m.draft_pool)
     return bonus, dout.logits[last].argmax(dim=-1), dout.hidden[last]

@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)  # tiny widths: threads only add barrier waits
     run_cfg = load_run_config(args.config)
     models = load_checkpoint(run_cfg.checkpoint)
     corpus = Corpus(models.cfg.vocab_size, TrainSettings().phrases,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nextn_graph.checkpoint import random_models
+from nextn_graph.checkpoint import load_checkpoint, random_models
 from nextn_graph.model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
 from nextn_graph.memory.pool import KVPool, PoolLayout
 from nextn_graph.presets import preset_config
@@ -44,6 +44,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def trained():
+    """The shipped trained checkpoint (its draft really predicts the target)."""
+    return load_checkpoint("builtin:tiny-trained")
 
 
 @pytest.fixture(scope="session")

@@ -16,27 +16,16 @@ import torch
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.graph.backends import CpuBackend
 from nextn_graph.graph.emulator import CaptureError, CpuGraph
-from nextn_graph.graph.updates import UpdateContext, UpdateRegistry
+from nextn_graph.graph.updates import UpdateContext
 from nextn_graph.memory.batch import Chunk, ForwardBatch
 from nextn_graph.runtime.engine import SpecEngine
 
+from helpers import SEQLEN_OP, seqlen_op, seqlen_registry
+
 HERE = Path(__file__).name
-OP_NS, OP_NAME = "nextn_test_emu", "seqlen_sum"
+OP_NAME = SEQLEN_OP
 
 
-def _seqlen_op():
-    """A custom op taking host sequence lengths: x * sum(lens), static output shape."""
-    packet = getattr(torch.ops, OP_NS)
-    if not hasattr(packet, OP_NAME):  # defined once per interpreter
-        torch.library.define(f"{OP_NS}::{OP_NAME}", "(Tensor x, int[] lens) -> Tensor")
-        torch.library.impl(f"{OP_NS}::{OP_NAME}", "cpu", func=lambda x, lens: x * sum(lens))
-    return getattr(packet, OP_NAME)
-
-
-def _registry() -> UpdateRegistry:
-    reg = UpdateRegistry()
-    reg.register(OP_NAME, [("arg", 1, "lens")], lambda ctx: {"lens": list(ctx.lengths)})
-    return reg
 
 
 # -- 1. capture safety -------------------------------------------------------------
@@ -302,9 +291,9 @@ def test_views_follow_static_inputs():
 
 def test_update_rewrites_host_lengths_before_replay():
     """update() lens change the next replay; require_update refuses a replay without update()."""
-    op = _seqlen_op()
+    op = seqlen_op()
     x = torch.tensor([1.0, 2.0])
-    graph = CpuGraph(require_update=True, updatable=_registry())
+    graph = CpuGraph(require_update=True, updatable=seqlen_registry())
     out = graph.capture(lambda: op(x, [1, 2]))
     assert out.tolist() == [3, 6]
     assert graph.update_ops == [f"{OP_NAME}.default"]
@@ -323,9 +312,9 @@ def test_update_rewrites_host_lengths_before_replay():
 
 def test_update_dicts_per_op_count_and_broadcast():
     """Two updatable ops take one dict each in order, one dict broadcasts, other counts raise."""
-    op = _seqlen_op()
+    op = seqlen_op()
     x = torch.tensor([1.0])
-    graph = CpuGraph(require_update=True, updatable=_registry())
+    graph = CpuGraph(require_update=True, updatable=seqlen_registry())
     out = graph.capture(lambda: op(op(x, [1]), [2]))
     assert out.tolist() == [2] and len(graph.update_ops) == 2
     graph.update([{"lens": [3]}, {"lens": [5]}])
@@ -341,8 +330,8 @@ def test_update_dicts_per_op_count_and_broadcast():
 
 def test_cpu_backend_replays_derived_updates():
     """CpuBackend graphs list updatable ops and replay dicts the registry derives from a context."""
-    op = _seqlen_op()
-    reg = _registry()
+    op = seqlen_op()
+    reg = seqlen_registry()
     x = torch.tensor([1.0, 10.0])
     graph = CpuBackend(reg).capture(lambda: op(x, [0]), None)
     assert graph.update_ops == [f"{OP_NAME}.default"] and graph.ops > 0

@@ -26,14 +26,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.cli import main
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.generate import reference_generate
 from nextn_graph.graph.emulator import CaptureError
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.oracle import reference_candidates
-from nextn_graph.train import Corpus, TrainSettings
+
+from helpers import corpus_prompts, random_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS = (1, 2, 4)
@@ -44,24 +44,6 @@ SPEC_STATS = ("rounds", "request_rounds", "proposed_drafts", "accepted_drafts",
 
 
 # -- models, prompts, references ---------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def trained():
-    """The shipped trained checkpoint, loaded once for this module."""
-    torch.set_num_threads(1)
-    return load_checkpoint("builtin:tiny-trained")
-
-
-def corpus_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    """Prompts from the training corpus' generator (seed 0 = the training phrases)."""
-    corpus = Corpus(256, TrainSettings().phrases, torch.Generator().manual_seed(seed))
-    return [corpus.sample(n) for n in lengths]
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, 256, (n,), generator=gen).tolist()
-
 
 _REF: dict[tuple, list[int]] = {}
 

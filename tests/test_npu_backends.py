@@ -29,7 +29,9 @@ from nextn_graph.graph.npu import NpuBackend, TorchairBackend
 from nextn_graph.graph.updates import UpdateContext, UpdateRegistry
 from nextn_graph.runtime.engine import SpecEngine
 
-OP_NS, OP_NAME = "nextn_test_npu", "seqlen_sum"
+from helpers import SEQLEN_OP, seqlen_op, seqlen_registry
+
+OP_NAME = SEQLEN_OP
 SPEC = SpeculativeConfig(num_steps=3, num_draft_tokens=4)
 POOL = PoolConfig(4, 128)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 30)), [40, 41, 42]]  # 3 requests > bucket 2
@@ -37,25 +39,6 @@ MAX_NEW = 12
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
 
-def _seqlen_op():
-    """A custom op taking host sequence lengths: x * sum(lens), static output shape."""
-    packet = getattr(torch.ops, OP_NS)
-    if not hasattr(packet, OP_NAME):  # defined once per interpreter
-        torch.library.define(f"{OP_NS}::{OP_NAME}", "(Tensor x, int[] lens) -> Tensor")
-        torch.library.impl(f"{OP_NS}::{OP_NAME}", "cpu", func=lambda x, lens: x * sum(lens))
-    return getattr(packet, OP_NAME)
-
-
-def _registry() -> UpdateRegistry:
-    reg = UpdateRegistry()
-    reg.register(OP_NAME, [("arg", 1, "lens")], lambda ctx: {"lens": list(ctx.lengths)})
-    return reg
-
-
-@pytest.fixture(scope="module")
-def trained():
-    """The shipped trained checkpoint, loaded once for this module."""
-    return load_checkpoint("builtin:tiny-trained")
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +78,8 @@ def test_npu_backend_engine_equals_eager_and_reference(trained, expected):
 
 def test_npu_updates_are_derived_from_the_captured_records():
     """NPU update dicts are derived from the captured records and applied by replay(update)."""
-    op = _seqlen_op()
-    reg = _registry()
+    op = seqlen_op()
+    reg = seqlen_registry()
     fake = make_fake_npu(reg)
     backend = NpuBackend(reg, namespace=fake)
     x, out, seen = torch.tensor([1.0, 2.0]), {}, []
@@ -122,8 +105,8 @@ def test_npu_updates_are_derived_from_the_captured_records():
 
 def test_npu_capture_fails_for_recorded_op_without_rule():
     """An updatable op recorded without a registered rule fails at capture, naming the op."""
-    op = _seqlen_op()
-    fake = make_fake_npu(_registry())  # the graph records the op ...
+    op = seqlen_op()
+    fake = make_fake_npu(seqlen_registry())  # the graph records the op ...
     backend = NpuBackend(UpdateRegistry(), namespace=fake)  # ... we hold no rule for it
     x = torch.ones(2)
     with pytest.raises(CaptureError, match=f"{OP_NAME}.*no update rule"):
@@ -134,8 +117,8 @@ def test_npu_capture_fails_for_recorded_op_without_rule():
 
 def test_fake_npugraph_update_needs_auto_dispatch_capture():
     """The fake NPUGraph.update raises RuntimeError unless captured with auto_dispatch_capture."""
-    op = _seqlen_op()
-    fake = make_fake_npu(_registry())
+    op = seqlen_op()
+    fake = make_fake_npu(seqlen_registry())
     x = torch.ones(2)
     plain = fake.NPUGraph()
     with fake.graph(plain, pool=fake.graph_pool_handle()):

@@ -19,39 +19,20 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
 
-from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.cli import main
 from nextn_graph.config import PoolConfig, SpeculativeConfig
 from nextn_graph.errors import InputError
-from nextn_graph.generate import plain_generate, reference_generate
+from nextn_graph.generate import reference_generate
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.oracle import reference_candidates
-from nextn_graph.train import Corpus, TrainSettings
+
+from helpers import corpus_prompts, random_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 STATS_KEYS = {"rounds", "target_forwards", "nextn_extend_forwards", "nextn_decode_forwards",
               "proposed_drafts", "accepted_drafts", "acceptance_length",
               "draft_acceptance_rate"}
-
-
-@pytest.fixture(scope="module")
-def trained():
-    """The shipped trained checkpoint, loaded once for this module."""
-    torch.set_num_threads(1)
-    return load_checkpoint("builtin:tiny-trained")
-
-
-def corpus_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    """Prompts from the training corpus' generator (seed 0 = the training phrases)."""
-    corpus = Corpus(256, TrainSettings().phrases, torch.Generator().manual_seed(seed))
-    return [corpus.sample(n) for n in lengths]
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, 256, (n,), generator=gen).tolist()
 
 
 _REF: dict[tuple, list[int]] = {}

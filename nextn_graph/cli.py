@@ -20,7 +20,7 @@ from .config import GRAPH_BACKENDS, RunConfig, load_run_config
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError
-from .generate import plain_generate, reference_generate
+from .generate import plain_generate, reference_generate, validate_prompts
 from .presets import PRESETS, preset_config
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
@@ -87,7 +87,11 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     models = load_checkpoint(cfg.checkpoint, DTYPES[cfg.dtype], cfg.device)
     if args.mode == "spec":
-        engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph)
+        # Refuse bad prompts before spending time on capture.
+        validate_prompts(prompts, models.cfg, cfg.pool.max_context, args.max_new_tokens,
+                         lookahead=cfg.speculative.num_steps - 1)
+        engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
+                            progress=sys.stderr.isatty())  # a capture progress bar
         result = engine.generate(prompts, args.max_new_tokens)
     else:
         result = MODES[args.mode](models.target, prompts, args.max_new_tokens,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from ..checkpoint import load_checkpoint
 from ..config import RunConfig
+from ..progress import progress_bar
 from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
 from .report import write_outputs
 
@@ -31,15 +31,6 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
             "waste": sum(r["padded_rows"] for r in rows) / real}
 
 
-def _progress(done: int, total: int, text: str) -> None:
-    width = 24
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<40}")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
               json_path: Path | None = None, progress: bool = True) -> dict:
     start = time.perf_counter()
@@ -53,7 +44,7 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
         nonlocal done
         done += 1
         if progress:
-            _progress(done, total, "measuring rounds")
+            progress_bar(done, total, "measuring rounds")
 
     for b in buckets:
         results.append(bench_bucket(engines, prompts[:b], st, tick))

@@ -14,13 +14,14 @@ that is not captured runs eagerly over the same buffers. Both are counted.
 
 from __future__ import annotations
 
-import sys
+import functools
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Callable, ContextManager
 
 import torch
 
+from ..progress import progress_bar
 from ..runtime.buffers import RoundPhases
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
 from .emulator import CaptureError
@@ -72,9 +73,6 @@ class RoundRunner:
     def num_steps(self) -> int:
         return self.phases.num_steps
 
-    def _kind_fn(self, kind: str):
-        return lambda b: self.phases.run(kind, b)
-
     def _round_kinds(self) -> tuple[str, ...]:
         return self.phases.kinds
 
@@ -86,7 +84,7 @@ class RoundRunner:
         todo = [(b, k) for b in sorted(self.buckets, reverse=True)
                 for k in self._round_kinds() if k in self.kinds]
         for i, (bucket, kind) in enumerate(todo, start=1):
-            fn = _bound(self._kind_fn(kind), bucket)
+            fn = functools.partial(self.phases.run, kind, bucket)
             self._stage([], bucket)  # capture over padding rows only: writes land in row 0
             with torch.no_grad():
                 for _ in range(self.warmup):
@@ -95,7 +93,7 @@ class RoundRunner:
             self.graphs[(kind, bucket)] = graph
             self.records.append(record)
             if progress:
-                _progress(i, len(todo), f"captured {kind} B={bucket} in {record.seconds:.2f}s")
+                progress_bar(i, len(todo), f"captured {kind} B={bucket} in {record.seconds:.2f}s")
         self._addresses = self._snapshot()
         return self.records
 
@@ -146,7 +144,7 @@ class RoundRunner:
                    lengths: list[int]) -> None:
         c, b = self.counters, len(rows)
         if graph is None:
-            self._kind_fn(kind)(bucket)
+            self.phases.run(kind, bucket)
             c.eager_fallbacks += int(self.backend.captures)
             return
         update = None
@@ -169,16 +167,3 @@ class RoundRunner:
         preds, drafts = host[b:b + b * n], host[b + b * n:]
         return RoundResult(host[:b], [preds[i * n:(i + 1) * n] for i in range(b)],
                            [drafts[i * s:(i + 1) * s] for i in range(b)])
-
-
-def _bound(fn, bucket: int):
-    return lambda: fn(bucket)
-
-
-def _progress(done: int, total: int, text: str) -> None:
-    width = 24
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<48}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()

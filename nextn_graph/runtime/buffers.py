@@ -33,6 +33,15 @@ class RequestState:
                             torch.zeros(rows, **long),
                             torch.zeros(rows, hc_dim, device=device, dtype=dtype))
 
+    def store(self, rows: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
+              cand1: torch.Tensor, seed: torch.Tensor) -> None:
+        """Write the state of ``rows`` [B]; padding rows all land in row 0, which
+        ``gather`` masks, so duplicate writes there are harmless."""
+        self.lengths.index_put_((rows,), lengths)
+        self.bonus.index_put_((rows,), bonus)
+        self.cand1.index_put_((rows,), cand1)
+        self.seed.index_put_((rows,), seed)
+
     def gather(self, rows: torch.Tensor):
         """Per-request state of ``rows`` [B], padding rows (0) neutralised."""
         pad = rows == 0  # [B]
@@ -122,8 +131,4 @@ class RoundPhases:
         cand1, seed = phases.draft_extend(self.m, rows, lengths, preds,
                                           self.bufs.hidden[: b * n], accept_lens)
         self.bufs.accept_lens[:b].copy_(accept_lens)
-        # Commit by length; padding rows all write row 0, which every read masks.
-        self.state.lengths.index_put_((rows,), lengths + accept_lens)
-        self.state.bonus.index_put_((rows,), bonus)
-        self.state.cand1.index_put_((rows,), cand1)
-        self.state.seed.index_put_((rows,), seed)
+        self.state.store(rows, lengths + accept_lens, bonus, cand1, seed)  # commit by length

@@ -188,8 +188,7 @@ class SpecEngine:
                                             with_draft=self.num_steps > 0)
         rows = torch.tensor([r.row for r in new], device=self.device)
         lengths = torch.tensor([len(r.prompt) for r in new], device=self.device)
-        for table, value in zip(vars(self.state).values(), (lengths, bonus, cand1, seed)):
-            table.index_put_((rows,), value)
+        self.state.store(rows, lengths, bonus, cand1, seed)
         self.stats.prefill_forwards += 1
         self.stats.nextn_extend_forwards += int(self.num_steps > 0)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in new)

@@ -131,6 +131,17 @@ def train_draft(models: LoadedModel, corpus: Corpus, st: TrainSettings) -> float
 
 
 def make_trained(seed: int = 0, settings: TrainSettings = TrainSettings()) -> LoadedModel:
+    """Train and distil; bitwise reproducible for a given seed, torch build and CPU: it
+    runs on one thread (multi-threaded reductions in the backward pass reorder sums)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _make_trained(seed, settings)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _make_trained(seed: int, settings: TrainSettings) -> LoadedModel:
     torch.manual_seed(seed)
     cfg = preset_config("tiny")
     models = random_models(cfg, seed)

@@ -136,7 +136,8 @@ def make_trained(seed: int = 0, settings: TrainSettings = TrainSettings()) -> Lo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _make_trained(seed, settings)
+        with torch.enable_grad():  # whatever grad mode the caller is in
+            return _make_trained(seed, settings)
     finally:
         torch.set_num_threads(threads)
 

@@ -80,6 +80,7 @@ def test_outputs_exist(report):
         assert {"submissions_per_round", "replays_per_round", "round_ms_median"} <= set(b["graph"])
     assert {"speedup", "acceptance_length"} <= set(data["spec_vs_plain"])
     assert data["settings"]["backend"] == "cpu" and data["settings"]["torch"]
+    assert data["kv_pool_mb"]["target"] > data["kv_pool_mb"]["draft"] > 0  # SWA-only draft
     assert "| bucket |" in (out / "bench.md").read_text()
     for name in ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -63,6 +63,10 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
             "total_s": sum(r["seconds"] for r in records),
             "total_mb": sum(r["nbytes"] for r in records) / 2**20,
         },
+        "kv_pool_mb": {  # the speculative engine's pools: what a deployment sizes
+            "target": engines.graph_spec.models.target_pool.nbytes() / 2**20,
+            "draft": engines.graph_spec.models.draft_pool.nbytes() / 2**20,
+        },
         "buckets": results,
         "spec_vs_plain": {
             "speedup": statistics.geometric_mean(speedups),

@@ -18,7 +18,6 @@ to replay when an update it needs was not given.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import traceback
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import NextnGraphError
+from .steps import copy_into, fast_out_step, out_variant, precast_scalars, share_memory, tensors
 
 aten = torch.ops.aten
 
@@ -90,19 +90,6 @@ def _forbidden(func, args, kwargs) -> str | None:
     if any(word in name for word in _RNG_WORDS) and "sort" not in name:
         return f"RNG op {name} (a replay would repeat, not redraw, its numbers)"
     return None
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    """Every tensor in nested lists, tuples, dicts and dataclasses."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        tree = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
-    elif isinstance(tree, dict):
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensors(x)]
-    return []
 
 
 @dataclass
@@ -182,7 +169,7 @@ class CpuGraph:
         if failed:  # leave nothing half-captured behind
             self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
         else:
-            self.nbytes = _share_memory(self._uses, _tensors(keep))
+            self.nbytes = share_memory(self._uses, tensors(keep))
         self._uses = []
         self._updated = False
 
@@ -205,30 +192,30 @@ class CpuGraph:
         if entry is not None:
             rec = _UpdateRecord(func, list(args), dict(kwargs), list(entry.spec))
             self.updates.append(rec)
-            outs = _tensors(out)
-            self.steps.append(lambda r=rec, o=outs: _copy_into(o, r.func._op(*r.args, **r.kwargs)))
-            self._uses.append((_tensors(list(args) + list(kwargs.values())), outs))
+            outs = tensors(out)
+            self.steps.append(lambda r=rec, o=outs: copy_into(o, r.func._op(*r.args, **r.kwargs)))
+            self._uses.append((tensors(list(args) + list(kwargs.values())), outs))
             return
         # Steps call the C++ op (``._op``) directly: the Python OpOverload wrapper
         # costs a third of a tiny kernel's dispatch.
         if writes:  # in-place or out= op: run it again on the same tensors
             self.steps.append(functools.partial(func._op, *args, **kwargs))
-            self._uses.append((_tensors(list(args) + list(kwargs.values())), []))
+            self._uses.append((tensors(list(args) + list(kwargs.values())), []))
             return
-        outs = _tensors(out)
+        outs = tensors(out)
         if not outs:
             return  # host metadata (sizes, strides): nothing to replay
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors(list(args) + list(kwargs.values()))}
+        inputs = {t.untyped_storage().data_ptr() for t in tensors(list(args) + list(kwargs.values()))}
         if any(o.untyped_storage().data_ptr() in inputs for o in outs):
             return  # a view (or an op like _unsafe_view that aliases): follows its input
-        self._uses.append((_tensors(list(args) + list(kwargs.values())), outs))
-        args = _precast_scalars(func, args, outs[0].dtype)
-        out_op = _out_variant(func)
+        self._uses.append((tensors(list(args) + list(kwargs.values())), outs))
+        args = precast_scalars(func, args, outs[0].dtype)
+        out_op = out_variant(func)
         if out_op is not None and len(out_op[1]) == len(outs):
             # Write straight into the captured outputs: one kernel, no allocation.
-            self.steps.append(_fast_out_step(func, out_op, args, kwargs, outs))
+            self.steps.append(fast_out_step(func, out_op, args, kwargs, outs))
         else:
-            self.steps.append(lambda: _copy_into(outs, func._op(*args, **kwargs)))
+            self.steps.append(lambda: copy_into(outs, func._op(*args, **kwargs)))
 
     def update(self, cpu_update_input: list[dict]) -> None:
         """Rewrite recorded host arguments: one dict per updatable op (or one for all)."""
@@ -258,99 +245,3 @@ class CpuGraph:
             for step in self.steps:
                 step()
         self._updated = False
-
-
-@functools.lru_cache(maxsize=None)
-def _out_variant(func) -> tuple[Any, tuple[str, ...]] | None:
-    """The ``.out`` overload taking the same arguments plus out tensors, if any."""
-    sig = [(a.name, str(a.type)) for a in func._schema.arguments]
-    packet = func.overloadpacket
-    for overload in packet.overloads():
-        op = getattr(packet, overload)
-        args = op._schema.arguments
-        outs = [a for a in args if a.is_out]
-        if outs and [(a.name, str(a.type)) for a in args if not a.is_out] == sig:
-            return op, tuple(a.name for a in outs)
-    return None
-
-
-def _precast_scalars(func, args, dtype: torch.dtype) -> tuple:
-    """Python numbers in Tensor slots (PyTorch's wrapped scalars) become 0-dim tensors
-    of the float output dtype, once: the kernel would wrap and cast them on every
-    replay, and it computes in the output dtype either way (bitwise the same)."""
-    if not dtype.is_floating_point:
-        return tuple(args)
-    slots = [str(a.type) == "Tensor" for a in func._schema.arguments]
-    return tuple(torch.tensor(a, dtype=dtype) if i < len(slots) and slots[i] and isinstance(
-        a, (int, float)) and not isinstance(a, bool) else a for i, a in enumerate(args))
-
-
-def _fast_out_step(func, out_op, args, kwargs, outs) -> Callable[[], Any]:
-    """A replay step writing into ``outs``: the public ``torch.<op>(..., out=)`` binding
-    when it reproduces the captured result bitwise (it parses arguments faster than
-    the boxed ``OpOverload`` call), else the ``.out`` overload itself."""
-    out_kwargs = {**kwargs, **dict(zip(out_op[1], outs))}
-    slow = functools.partial(out_op[0]._op, *args, **out_kwargs)
-    public = getattr(torch, func.overloadpacket.__name__, None)
-    if public is None or len(outs) != 1 or any(k != "out" for k in out_op[1]):
-        return slow
-    fast = functools.partial(public, *args, **kwargs, out=outs[0])
-    expected = outs[0].clone()
-    try:
-        fast()
-    except (TypeError, RuntimeError):
-        outs[0].copy_(expected)
-        return slow
-    if not torch.equal(outs[0], expected) or outs[0].dtype != expected.dtype:
-        outs[0].copy_(expected)
-        return slow
-    return fast
-
-
-def _share_memory(uses: list, keep: list[torch.Tensor]) -> int:
-    """Let intermediates share memory, as a graph pool does: liveness over the recorded
-    steps, then every tensor on a storage a step allocated is re-pointed (``set_``) into
-    a block that an earlier, already dead intermediate of the same size used. Returns
-    the bytes the graph holds.
-
-    Parameters, pools, static buffers and ``keep`` (what the capture returned) are
-    never moved; a step's output never shares with its own inputs.
-    """
-    born: dict[int, int] = {}  # storage -> the step that allocated it
-    last: dict[int, int] = {}  # storage -> the last step that touches it
-    holders: dict[int, list[torch.Tensor]] = {}
-    size: dict[int, int] = {}
-    for i, (reads, outs) in enumerate(uses):
-        for t in outs:
-            ptr = t.untyped_storage().data_ptr()
-            born.setdefault(ptr, i)
-            size[ptr] = t.untyped_storage().nbytes()
-        for t in reads + outs:
-            ptr = t.untyped_storage().data_ptr()
-            last[ptr] = i
-            holders.setdefault(ptr, []).append(t)
-    pinned = {t.untyped_storage().data_ptr() for t in keep}
-    movable = sorted((p for p in born if p not in pinned and size[p] > 0), key=born.get)
-    by_end = sorted(movable, key=last.get)
-    free: dict[int, list] = {}  # nbytes -> blocks no live intermediate uses
-    block_of: dict[int, Any] = {}
-    total, j = 0, 0
-    for ptr in movable:
-        while j < len(by_end) and last[by_end[j]] < born[ptr]:
-            free.setdefault(size[by_end[j]], []).append(block_of[by_end[j]])
-            j += 1
-        if free.get(size[ptr]):
-            block = free[size[ptr]].pop()
-        else:
-            device = holders[ptr][0].device
-            block = torch.empty(size[ptr], dtype=torch.uint8, device=device).untyped_storage()
-            total += size[ptr]
-        block_of[ptr] = block
-        for t in holders[ptr]:
-            t.set_(block, t.storage_offset(), t.size(), t.stride())
-    return total + sum(size[p] for p in born if p in pinned)
-
-
-def _copy_into(outs: list[torch.Tensor], result) -> None:
-    for o, r in zip(outs, _tensors(result)):
-        o.copy_(r)

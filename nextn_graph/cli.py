@@ -16,7 +16,7 @@ import torch
 from .bench import BenchSettings, run_bench
 from .bench.report import table
 from .checkpoint import load_checkpoint, random_models, save_checkpoint
-from .config import GRAPH_BACKENDS, RunConfig, load_run_config
+from .config import GRAPH_BACKENDS, TORCH_DTYPES, RunConfig, load_run_config
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError
@@ -24,7 +24,6 @@ from .generate import plain_generate, reference_generate, validate_prompts
 from .presets import PRESETS, preset_config
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
@@ -85,7 +84,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 def _generate(args: argparse.Namespace) -> int:
     cfg = _run_config(args)
     prompts = read_prompts(args.prompts)
-    models = load_checkpoint(cfg.checkpoint, DTYPES[cfg.dtype], cfg.device)
+    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
     if args.mode == "spec":
         # Refuse bad prompts before spending time on capture.
         validate_prompts(prompts, models.cfg, cfg.pool.max_context, args.max_new_tokens,
@@ -188,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", choices=["spec", *sorted(MODES)], default="spec")
     gen.add_argument("--max-context", type=int, default=None,
                      help="positions per request (default: the config's pool.max_context)")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None)
     gen.add_argument("--device", default=None)
     gen.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                      help="graph backend for --mode spec (overrides the config's graph.backend)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from .errors import ConfigError
@@ -42,6 +43,7 @@ class PoolConfig:
     max_context: int = 512  # positions per request: prompt + output + N
 
 
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "torchair")
 GRAPH_KINDS = ("draft_extend", "rollout", "target_verify")
 
@@ -64,8 +66,12 @@ class RunConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
 
-_CHOICES = {"dtype": ("fp32", "bf16"), "device": ("cpu", "cuda", "npu"),
+
+_CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
             "backend": GRAPH_BACKENDS}
 
 

@@ -12,19 +12,17 @@ import torch
 
 from ..checkpoint import load_checkpoint
 from ..config import RunConfig
+from ..graph.runner import plan_chunks
 from ..progress import progress_bar
 from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
 from .report import write_outputs
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
     """Padded rows per batch size 1..max_requests under the bucket policy."""
     rows = []
     for b in range(1, max_requests + 1):
-        chunks = [min(buckets[-1], b - i) for i in range(0, b, buckets[-1])]
-        padded = sum(next(x for x in buckets if x >= c) - c for c in chunks)
+        chunks = plan_chunks(b, buckets)
+        padded = sum(bucket - size for size, bucket in chunks)
         rows.append({"batch": b, "padded_rows": padded, "chunks": len(chunks)})
     real = sum(r["batch"] for r in rows)
     return {"per_batch_size": rows,
@@ -34,7 +32,7 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
 def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
               json_path: Path | None = None, progress: bool = True) -> dict:
     start = time.perf_counter()
-    models = load_checkpoint(cfg.checkpoint, DTYPES[cfg.dtype], cfg.device)
+    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
     engines = build_engines(models, cfg, progress)
     buckets = cfg.graph.buckets
     prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)

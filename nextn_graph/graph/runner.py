@@ -44,6 +44,16 @@ class ReplayCounters:
         return asdict(self)
 
 
+def plan_chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The bucket policy: (chunk size, bucket) pairs for a batch of n requests. The
+    smallest bucket that fits; above the largest, bucket-sized chunks; no buckets
+    (eager): one chunk of exactly n."""
+    if not buckets:
+        return [(n, n)]
+    sizes = [min(buckets[-1], n - i) for i in range(0, n, buckets[-1])]
+    return [(s, next(b for b in buckets if b >= s)) for s in sizes]
+
+
 @dataclass(frozen=True)
 class RoundResult:
     """Host copies of what the round decided, per real request in order."""
@@ -107,17 +117,15 @@ class RoundRunner:
                                    f"({self._addresses.get(name):#x} -> {ptr:#x})")
 
     # -- replay ------------------------------------------------------------------
-    def bucket_for(self, n: int) -> int:
-        """The smallest captured bucket >= n; n itself when nothing is captured."""
-        return next((b for b in self.buckets if b >= n), n) if self.graphs else n
-
     def run(self, rows: list[int], lengths: list[int]) -> RoundResult:
         """One decode round for requests at pool ``rows`` with committed ``lengths``."""
-        limit = self.buckets[-1] if self.graphs else len(rows)
-        if len(rows) > limit:
-            self.counters.bucket_splits += 1
-        parts = [self._run_chunk(rows[i:i + limit], lengths[i:i + limit])
-                 for i in range(0, len(rows), limit)]
+        plan = plan_chunks(len(rows), self.buckets if self.graphs else ())
+        self.counters.bucket_splits += int(len(plan) > 1)
+        parts, start = [], 0
+        for size, bucket in plan:
+            parts.append(self._run_chunk(rows[start:start + size],
+                                         lengths[start:start + size], bucket))
+            start += size
         return RoundResult(*(sum((getattr(p, f) for p in parts), []) for f in
                              ("accept_lens", "preds", "drafts")))
 
@@ -125,9 +133,8 @@ class RoundRunner:
         padded = rows + [0] * (bucket - len(rows))
         self.phases.bufs.rows[:bucket].copy_(torch.tensor(padded), non_blocking=True)
 
-    def _run_chunk(self, rows: list[int], lengths: list[int]) -> RoundResult:
+    def _run_chunk(self, rows: list[int], lengths: list[int], bucket: int) -> RoundResult:
         b = len(rows)
-        bucket = self.bucket_for(b)
         c = self.counters
         c.rounds, c.real_rows, c.padded_rows = c.rounds + 1, c.real_rows + b, c.padded_rows + bucket - b
         self._stage(rows, bucket)

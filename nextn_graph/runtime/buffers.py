@@ -116,11 +116,12 @@ class RoundPhases:
             self.bufs.draft_tokens[:b].copy_(cand1.unsqueeze(1))
         preds, hidden = phases.verify(self.m, rows, lengths, bonus, self.bufs.draft_tokens[:b])
         self.bufs.preds[:b].copy_(preds)
-        self.bufs.hidden[: b * (self.num_steps + 1)].copy_(hidden)
         if self.num_steps == 0:  # plain decoding: commit the one new token here
             self.bufs.accept_lens[:b].fill_(1)
             self.state.lengths.index_put_((rows,), lengths + 1)
             self.state.bonus.index_put_((rows,), preds[:, 0])
+        else:  # the draft extend pairs each window row with its hidden
+            self.bufs.hidden[: b * (self.num_steps + 1)].copy_(hidden)
 
     def draft_extend(self, b: int) -> None:
         """Accept, draft extend with ``select_index``, and commit by length into the state."""

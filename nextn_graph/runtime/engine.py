@@ -105,8 +105,7 @@ class SpecEngine:
         """Load the config's checkpoint on its device and dtype, build and capture."""
         from ..checkpoint import load_checkpoint  # checkpoint imports the model only
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
-        models = load_checkpoint(cfg.checkpoint, dtype, cfg.device)
+        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
         return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                    progress=progress)
 

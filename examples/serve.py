@@ -20,6 +20,8 @@ while incoming or engine.has_work:
             print("refused:", exc)
     for out in engine.step():  # one prefill and/or one speculative round
         streams[out.rid].extend(out.new_tokens)  # send these to the client now
-        if out.finished:
+        if out.error is not None:  # a fault (kernel error, OOM) failed this request alone
+            print(f"request {out.rid} failed: {out.error}")
+        elif out.finished:
             print(f"request {out.rid} done: {streams[out.rid]}")
     step += 1

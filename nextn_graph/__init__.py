@@ -6,19 +6,19 @@ The public API for embedding the engine in a server::
     engine = SpecEngine.from_config(load_run_config("capture_configs/cpu_default.yaml"))
     rid = engine.add_request(prompt_ids, max_new_tokens=64)
     while engine.has_work:
-        for out in engine.step():  # StepOutput(rid, new_tokens, finished, draft_tokens)
+        for out in engine.step():  # StepOutput(rid, new_tokens, finished, draft_tokens, error)
             ...
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, load_run_config
 from .errors import (CapacityError, CheckpointError, ConfigError, InputError,
-                     NextnGraphError)
+                     NextnGraphError, RequestFailed)
 from .graph.emulator import CaptureError
 from .runtime.engine import SpecEngine, StepOutput
 
 __all__ = [
     "SpecEngine", "StepOutput", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",
     "load_run_config", "load_checkpoint", "save_checkpoint", "NextnGraphError", "ConfigError",
-    "CheckpointError", "InputError", "CapacityError", "CaptureError",
+    "CheckpointError", "InputError", "CapacityError", "CaptureError", "RequestFailed",
 ]

@@ -10,7 +10,10 @@ dict *is* that layout. Files are one ``model.safetensors`` or shards listed in
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,23 +56,59 @@ def expected_state(models: LoadedModel) -> dict[str, torch.Tensor]:
     return {**models.target.state_dict(), **models.draft.state_dict()}
 
 
-def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
-    index = root / INDEX_FILE
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of an index: tensor name -> shard file name in the same dir."""
+    try:
+        raw = json.loads(index.read_text())
+    except (ValueError, RecursionError) as exc:  # malformed JSON, bad UTF-8, absurd nesting
+        raise CheckpointError(f"{index}: not valid JSON ({str(exc)[:80]})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: not a safetensors index ('weight_map' must map "
+                              f"tensor names to shard file names)")
+    for name in set(weight_map.values()):
+        # a shard is a plain file of this directory: no paths that escape it
+        if Path(name).name != name or not name.endswith(".safetensors"):
+            raise CheckpointError(f"{index}: shard name {name[:80]!r} is not a "
+                                  f"*.safetensors file name in this directory")
+    return weight_map
+
+
+def _weight_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """The index's weight map (None for a single file) and the files to read.
+
+    A directory holds exactly one checkpoint: both layouts at once, a listed shard
+    that is missing, or a ``*.safetensors`` the layout does not name (a stale shard
+    of an earlier write) are refused rather than guessed at.
+    """
+    index, single = root / INDEX_FILE, root / SINGLE_FILE
+    if index.is_file() and single.is_file():
+        raise CheckpointError(f"{root}: both {INDEX_FILE} and {SINGLE_FILE} are present; "
+                              f"a checkpoint directory must hold one layout, not both")
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        weight_map = _read_index(index)
         files = sorted(set(weight_map.values()))
-    elif (root / SINGLE_FILE).is_file():
+    elif single.is_file():
         weight_map, files = None, [SINGLE_FILE]
     else:
         raise CheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    missing = [name for name in files if not (root / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: shard {missing[0]} is listed but missing")
+    stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in files)
+    if stray:
+        named_by = INDEX_FILE if weight_map is not None else SINGLE_FILE
+        raise CheckpointError(f"{root}: {stray[:5]} not part of the checkpoint named by "
+                              f"{named_by} (stale shards of an earlier write?)")
+    return weight_map, files
+
+
+def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
+    weight_map, files = _weight_files(root)
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         path = root / name
-        if not path.is_file():
-            raise CheckpointError(f"{index}: shard {name} is listed but missing")
         try:
             shard = load_file(str(path))
         except (SafetensorError, OSError) as exc:
@@ -81,7 +120,8 @@ def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
     if weight_map is not None:
         absent = sorted(set(weight_map) - set(tensors))
         if absent:
-            raise CheckpointError(f"{index}: listed tensors missing from their shards: {absent[:5]}")
+            raise CheckpointError(f"{root / INDEX_FILE}: listed tensors missing from their "
+                                  f"shards: {absent[:5]}")
     return tensors
 
 
@@ -117,6 +157,8 @@ def _check_layout(root: Path, tensors: dict[str, torch.Tensor],
                                       f"[0, {cfg.n_routed_experts})")
         elif not got.dtype.is_floating_point:
             raise CheckpointError(f"{root}: tensor {key!r} has dtype {got.dtype}, expected a float")
+        elif not bool(torch.isfinite(got).all()):  # NaN/Inf would silently decode token 0
+            raise CheckpointError(f"{root}: tensor {key!r} holds NaN or Inf values")
 
 
 BUILTIN = "builtin:"
@@ -156,15 +198,80 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
 
 def save_checkpoint(models: LoadedModel, path: str | Path,
                     max_shard_bytes: int | None = None) -> Path:
-    """Write ``config.json`` and the tensors in the released layout (sharded if asked)."""
+    """Write ``config.json`` and the tensors in the released layout (sharded if asked).
+
+    The files are written into a fresh sibling directory and renamed into place, so
+    ``path`` holds either the previous checkpoint or the complete new one, never a
+    mix. An existing checkpoint at ``path`` is replaced wholesale (renamed aside,
+    then removed); a non-empty directory that is not a checkpoint is refused.
+    """
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
+    target = root.resolve()  # a symlinked dir: replace what it points at, keep the link
+    _check_replaceable(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _fresh_sibling(target, "partial")
+    staging.mkdir()
+    try:
+        _write_files(models, staging, max_shard_bytes)
+        _swap_in(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return root
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    return path.is_file() and (path.name in ("config.json", INDEX_FILE)
+                               or path.name.endswith(".safetensors"))
+
+
+def _check_replaceable(root: Path) -> None:
+    """Only a missing path, an empty dir or a checkpoint dir may be written over."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: exists and is not a directory")
+    entries = sorted(root.iterdir())
+    unrelated = [p.name for p in entries if not _is_checkpoint_file(p)]
+    if entries and (unrelated or not (root / "config.json").is_file()):
+        what = f"holds {unrelated[:5]}" if unrelated else "has no config.json"
+        raise CheckpointError(f"{root}: not empty and not a checkpoint directory ({what}); "
+                              f"refusing to replace it: choose a new or empty directory")
+
+
+def _fresh_sibling(root: Path, tag: str) -> Path:
+    # hidden and random, next to root so the final rename stays on one filesystem
+    return root.parent / f".{root.name}.{tag}-{secrets.token_hex(4)}"
+
+
+def _swap_in(staging: Path, root: Path) -> None:
+    if not root.exists():
+        staging.rename(root)
+        return
+    aside = _fresh_sibling(root, "old")
+    root.rename(aside)
+    try:
+        staging.rename(root)
+    except BaseException:
+        aside.rename(root)
+        raise
+    shutil.rmtree(aside)
+
+
+def _write_files(models: LoadedModel, root: Path, max_shard_bytes: int | None) -> None:
     (root / "config.json").write_text(json.dumps(models.cfg.to_hf_dict(), indent=2) + "\n")
     state = {k: v.detach().to("cpu", storage_dtype(k)).contiguous()
              for k, v in expected_state(models).items()}
     if max_shard_bytes is None:
         save_file(state, str(root / SINGLE_FILE), metadata={"format": "pt"})
-        return root
+    else:
+        _write_shards(state, root, max_shard_bytes)
+    for path in root.iterdir():  # on disk before the rename publishes them
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _write_shards(state: dict[str, torch.Tensor], root: Path, max_shard_bytes: int) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, value in state.items():
@@ -181,4 +288,3 @@ def save_checkpoint(models: LoadedModel, path: str | Path,
     index = {"metadata": {"total_size": sum(v.nbytes for v in state.values())},
              "weight_map": weight_map}
     (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return root

@@ -1,7 +1,9 @@
 """Command line: ``nextn-graph {bench,demo,make-checkpoint,generate}``.
 
 Every library error becomes one line on stderr naming what was wrong, and exit
-status 2; no traceback from inside torch.
+status 2; Ctrl-C becomes ``nextn-graph: interrupted`` and exit status 130. No
+traceback from inside torch either way. Bad option values (``--rounds 0``) are
+refused by argparse, also with status 2, before any work.
 """
 
 from __future__ import annotations
@@ -29,19 +31,39 @@ MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
                     max_shard_bytes: int | None = None) -> Path:
     """Write a deterministic checkpoint of a preset in the released layout: random
-    weights, or for ``tiny-trained`` the trained target and distilled draft."""
+    weights, or for ``tiny-trained`` the trained target and distilled draft.
+
+    ``out`` is written atomically: an earlier checkpoint there is replaced whole
+    (never mixed with the new shards); a non-empty non-checkpoint dir is refused."""
     if preset == TRAINED_PRESET:
         return save_checkpoint(make_trained(seed), out, max_shard_bytes)
     return save_checkpoint(random_models(preset_config(preset), seed), out, max_shard_bytes)
 
 
+def _read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file; a missing file, a directory or undecodable bytes are named errors."""
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a {what}")
+    if not path.exists():
+        raise InputError(f"{path}: {what} not found")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at "
+                         f"byte offset {exc.start})") from None
+
+
 def read_prompts(path: str | Path) -> list[list[int]]:
     """JSONL, one ``{"input_ids": [...]}`` per line; blank lines are skipped."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: prompts file not found")
+    text = _read_text(path, "prompts file")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -153,6 +175,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(low: int):
+    """An argparse type: an integer >= ``low``, refused before any work otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            kind = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}")
+        return value
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _count(1), _count(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn-graph", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -162,30 +201,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", help="override the config's checkpoint")
     bench.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                        help="graph backend to compare against eager")
-    bench.add_argument("--rounds", type=int, default=24, help="timed steady rounds per run")
-    bench.add_argument("--warmup-rounds", type=int, default=3)
-    bench.add_argument("--repeats", type=int, default=3, help="runs per mode, for a median")
+    bench.add_argument("--rounds", type=POSITIVE, default=24, help="timed steady rounds per run")
+    bench.add_argument("--warmup-rounds", type=NON_NEGATIVE, default=3)
+    bench.add_argument("--repeats", type=POSITIVE, default=3, help="runs per mode, for a median")
     bench.add_argument("--out", default="bench_out", help="directory for JSON, Markdown, PNGs")
     bench.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench.add_argument("--threads", type=int, default=1,
+    bench.add_argument("--threads", type=POSITIVE, default=1,
                        help="torch intra-op threads on CPU (default 1: tiny widths)")
     demo = sub.add_parser("demo", help="spec, plain and reference decoding side by side")
     demo.add_argument("--checkpoint", help="checkpoint dir (default: builtin:tiny-trained)")
-    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--max-new-tokens", type=POSITIVE, default=32)
     make = sub.add_parser("make-checkpoint", help="write a deterministic random checkpoint")
     make.add_argument("--preset", choices=[*sorted(PRESETS), TRAINED_PRESET], default="tiny")
     make.add_argument("--out", required=True)
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--shard-bytes", type=int, default=None,
+    make.add_argument("--shard-bytes", type=POSITIVE, default=None,
                       help="split into shards of at most this many bytes, with an index")
     gen = sub.add_parser("generate", help="greedy generation from a JSONL prompts file")
     gen.add_argument("--checkpoint", help="checkpoint dir or builtin:NAME (overrides --config)")
     gen.add_argument("--config", help="YAML run config (checkpoint, pool, speculative settings)")
     gen.add_argument("--prompts", required=True)
-    gen.add_argument("--max-new-tokens", type=int, required=True)
+    gen.add_argument("--max-new-tokens", type=POSITIVE, required=True)
     gen.add_argument("--mode", choices=["spec", *sorted(MODES)], default="spec")
-    gen.add_argument("--max-context", type=int, default=None,
+    gen.add_argument("--max-context", type=POSITIVE, default=None,
                      help="positions per request (default: the config's pool.max_context)")
     gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None)
     gen.add_argument("--device", default=None)
@@ -196,21 +235,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        if args.command == "make-checkpoint":
-            print(make_checkpoint(args.preset, args.out, args.seed, args.shard_bytes))
-            return 0
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "demo":
-            return _demo(args)
-        if args.command is None:
-            args = build_parser().parse_args(["bench"])
-        return _bench(args)
+        return _run(build_parser().parse_args(argv))
     except NextnGraphError as exc:
         print(f"nextn-graph: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's 128 + SIGINT, no traceback
+        lead = "\n" if sys.stderr.isatty() else ""  # off the ^C echo or a progress bar
+        print(f"{lead}nextn-graph: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "make-checkpoint":
+        print(make_checkpoint(args.preset, args.out, args.seed, args.shard_bytes))
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "demo":
+        return _demo(args)
+    if args.command is None:
+        args = build_parser().parse_args(["bench"])
+    return _bench(args)
 
 
 if __name__ == "__main__":

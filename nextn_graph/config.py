@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,71 @@ _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
 
 
 _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A rejected value for an error message, cut short: a message never grows
+    with the input (a long list or string prints its head and ``...``)."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors, aliases, merge keys and duplicate keys.
+
+    Anchors are refused while composing, at the first ``&``/``*`` event, so an
+    alias bomb is never expanded; duplicate keys would otherwise silently keep
+    the last value.
+    """
+
+    def __init__(self, text: str, where: str):
+        super().__init__(text)
+        self.where = self.name = where  # name: what PyYAML's own marks print as the file
+
+    def _refuse(self, mark: yaml.Mark, what: str) -> ConfigError:
+        return ConfigError(f"{self.where}:{mark.line + 1}: {what}")
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.NodeEvent) and event.anchor is not None:
+            kind = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
+            raise self._refuse(event.start_mark, f"YAML {kind} {_show(event.anchor)} is not "
+                                                 f"allowed in a config file")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                raise self._refuse(key_node.start_mark, "YAML merge key '<<' is not allowed")
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise self._refuse(key_node.start_mark, f"duplicate key {_show(key)}")
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base constructor refuses it below
+                pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    loader = _StrictLoader(text, str(path))
+    try:
+        return loader.get_single_data()
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. an int too long to parse
+        raise ConfigError(f"{path}: invalid YAML ({str(exc)[:300]})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
+    finally:
+        loader.dispose()
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -88,12 +154,12 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
     """Strictly build dataclass ``cls`` from a YAML mapping."""
     if not isinstance(raw, dict):
         what = f"key {prefix.rstrip('.')!r}" if prefix else "top level"
-        raise ConfigError(f"{where}: {what} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{where}: {what} must be a mapping, got {_show(raw)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key {prefix + unknown[0]!r} "
+        raise ConfigError(f"{where}: unknown key {_show(prefix + unknown[0])} "
                           f"(known: {', '.join(sorted(names))})")
     values = {}
     for name, value in raw.items():
@@ -105,12 +171,13 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
             item = typing.get_args(kind)[0]
             if not isinstance(value, list) or not all(_is(v, item) for v in value):
                 raise ConfigError(f"{where}: key {key!r} must be a list of "
-                                  f"{item.__name__}, got {value!r}")
+                                  f"{item.__name__}, got {_show(value)}")
             value = tuple(value)
         elif not _is(value, kind):
-            raise ConfigError(f"{where}: key {key!r} must be {_NAMES[kind]}, got {value!r}")
+            raise ConfigError(f"{where}: key {key!r} must be {_NAMES[kind]}, got {_show(value)}")
         if name in _CHOICES and value not in _CHOICES[name]:
-            raise ConfigError(f"{where}: key {key!r} must be one of {_CHOICES[name]}, got {value!r}")
+            raise ConfigError(f"{where}: key {key!r} must be one of {_CHOICES[name]}, "
+                              f"got {_show(value)}")
         values[name] = value
     return cls(**values)
 
@@ -120,7 +187,7 @@ def resolve_speculative(spec: SpeculativeConfig, where: str) -> SpeculativeConfi
     algo = str(spec.algorithm).upper()
     if algo not in ALGORITHM_ALIASES:
         raise ConfigError(
-            f"{where}: key 'speculative.algorithm' is {spec.algorithm!r}; this runtime drives "
+            f"{where}: key 'speculative.algorithm' is {_show(spec.algorithm)}; this runtime drives "
             f"the NextN draft only (EAGLE, or its alias NEXTN)")
     if spec.eagle_topk != 1:
         raise ConfigError(f"{where}: key 'speculative.eagle_topk' is {spec.eagle_topk}; only "
@@ -165,17 +232,17 @@ def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:
     buckets = graph.buckets
     if any(b < 1 for b in buckets):
         raise ConfigError(f"{where}: key 'graph.buckets' must list positive request "
-                          f"counts, got {list(buckets)}")
+                          f"counts, got {_show(list(buckets))}")
     if list(buckets) != sorted(set(buckets)):
         raise ConfigError(f"{where}: key 'graph.buckets' must be sorted ascending without "
-                          f"duplicates, got {list(buckets)}")
+                          f"duplicates, got {_show(list(buckets))}")
     if buckets[-1] > pool.max_requests:
         raise ConfigError(f"{where}: key 'graph.buckets' has bucket {buckets[-1]} above the "
                           f"request pool (pool.max_requests = {pool.max_requests})")
     unknown = [k for k in graph.kinds if k not in GRAPH_KINDS]
     if unknown or len(set(graph.kinds)) != len(graph.kinds):
         raise ConfigError(f"{where}: key 'graph.kinds' must be distinct names from "
-                          f"{GRAPH_KINDS}, got {list(graph.kinds)}")
+                          f"{GRAPH_KINDS}, got {_show(list(graph.kinds))}")
     if graph.warmup < 0:
         raise ConfigError(f"{where}: key 'graph.warmup' must be >= 0, got {graph.warmup}")
 
@@ -193,10 +260,8 @@ def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConf
         where = str(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML ({exc})") from None
+        raw = _read_yaml(path)
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of keys, "
                               f"got {type(raw).__name__}")

@@ -19,3 +19,16 @@ class InputError(NextnGraphError):
 
 class CapacityError(NextnGraphError):
     """The KV pool cannot hold what was asked of it."""
+
+
+class RequestFailed(NextnGraphError):
+    """A fault inside a step (a kernel error, out of memory) failed these requests.
+
+    Every other request was left untouched or committed normally; ``errors`` maps
+    each failed request (by prompt index, from ``generate``) to its reason, ``result`` holds what completed.
+    """
+
+    def __init__(self, message: str, errors: dict[int, str], result=None):
+        super().__init__(message)
+        self.errors = errors
+        self.result = result

@@ -9,9 +9,10 @@ forward, then one forward per step with one row per active request.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
+import numpy as np
 import torch
 
 from .errors import InputError
@@ -26,55 +27,131 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+def _show(value: object) -> str:
+    """``value`` for an error message: its type and a repr cut short."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_integer_dtype(dtype: torch.dtype | np.dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return np.issubdtype(dtype, np.integer)
+
+
+def _as_int(value: object) -> int | None:
+    """An integer scalar (int, numpy integer, 0-d integer tensor) as an int; None for
+    anything else, bools included (``True`` is not token 1)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and _is_integer_dtype(value.dtype):
+        return int(value)
+    return None
+
+
+def _elements(prompt: object, where: str) -> list:
+    """The prompt's elements: a list, tuple or other sequence, or a 1-D integer tensor
+    or numpy array (converted to ints here)."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
+        if prompt.ndim != 1 or not _is_integer_dtype(prompt.dtype):
+            raise InputError(f"{where}: a prompt {kind} must be 1-D with an integer dtype, "
+                             f"got {prompt.ndim}-D {prompt.dtype}")
+        return [int(t) for t in prompt.tolist()]
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise InputError(f"{where}: prompt must be a sequence of token ids (list, tuple, or "
+                         f"1-D integer tensor or array), got {_show(prompt)}")
+    return list(prompt)
+
+
+def _token_ids(values, cfg: ModelConfig, where: str, what: str) -> list[int]:
+    """Each value as an int id in [0, vocab); the error names the first bad one."""
+    ids = []
+    for value in values:
+        tok = _as_int(value)
+        if tok is None:
+            raise InputError(f"{where}: {what} {_show(value)} is not an integer")
+        if not 0 <= tok < cfg.vocab_size:
+            raise InputError(f"{where}: {what} {tok} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+        ids.append(tok)
+    return ids
+
+
 def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
                     max_new_tokens: int, where: str, lookahead: int = 0) -> list[int]:
     """Check one request up front; the error names it (``where``) and the bad value.
 
-    ``lookahead``: positions written past the output (speculative verify windows).
+    ``prompt``: a sequence of int ids, numpy integers or 0-d integer tensors, or a
+    1-D integer tensor / array; returned as a list of int. ``lookahead``: positions
+    written past the output (speculative verify windows). The context is at most
+    ``max_context`` and never past the model's ``max_position_embeddings``.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"{where}: max_new_tokens must be at least 1, got {max_new_tokens!r}")
-    ids = list(prompt)
-    if not ids:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise InputError(f"{where}: max_new_tokens must be an int of at least 1, got "
+                         f"{_show(max_new_tokens)}")
+    if max_new_tokens < 1:
+        raise InputError(f"{where}: max_new_tokens must be at least 1, got {max_new_tokens}")
+    values = _elements(prompt, where)
+    if not values:
         raise InputError(f"{where}: empty prompt")
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-           or not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise InputError(f"{where}: token id {bad[0]!r} is outside the vocabulary "
-                         f"[0, {cfg.vocab_size})")
-    if len(ids) + max_new_tokens + lookahead > max_context:
+    ids = _token_ids(values, cfg, where, "token id")
+    limit = min(max_context, cfg.max_position_embeddings)
+    if len(ids) + max_new_tokens + lookahead > limit:
         extra = f" + {lookahead} positions of verify lookahead" if lookahead else ""
+        bound = (f"the maximum context {max_context}" if max_context <= cfg.max_position_embeddings
+                 else f"the model's max_position_embeddings {cfg.max_position_embeddings}")
         raise InputError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens "
-                         f"{max_new_tokens}{extra} exceeds the maximum context {max_context}")
+                         f"{max_new_tokens}{extra} exceeds {bound}")
     return ids
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_context: int,
                      max_new_tokens: int, lookahead: int = 0) -> list[list[int]]:
     """Check every prompt before any work starts; request i is the i-th prompt."""
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(
+            prompts, (Sequence, torch.Tensor, np.ndarray)):
+        raise InputError(f"prompts must be a list of prompts, got {_show(prompts)}")
     return [validate_prompt(p, cfg, max_context, max_new_tokens, f"request {i}", lookahead)
             for i, p in enumerate(prompts)]
 
 
-def _finished(out: list[int], stop_ids: set[int], max_new_tokens: int) -> bool:
+def validate_stop_ids(stop_ids: Collection[int] | None, cfg: ModelConfig,
+                      where: str) -> frozenset[int]:
+    """A request's stop token ids: None stops at EOS; otherwise a list, tuple, set or
+    frozenset of ids in the vocabulary (numpy integers and 0-d integer tensors are
+    converted to int). The error names the request (``where``) and the bad element."""
+    if stop_ids is None:
+        return frozenset({cfg.eos_token_id})
+    if not isinstance(stop_ids, (list, tuple, set, frozenset)):
+        raise InputError(f"{where}: stop_ids must be a list, tuple, set or frozenset of "
+                         f"token ids, got {_show(stop_ids)}")
+    return frozenset(_token_ids(stop_ids, cfg, where, "stop token id"))
+
+
+def _finished(out: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> bool:
     return len(out) >= max_new_tokens or (bool(out) and out[-1] in stop_ids)
 
 
 def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
-             stop_ids: set[int] | None, max_context: int | None):
+             stop_ids: Collection[int] | None, max_context: int | None, mode: str):
     """Defaults resolved once: context from the model, stop at EOS unless told."""
     cfg = target.cfg
-    max_context = max_context or cfg.max_position_embeddings
+    if max_context is None:
+        max_context = cfg.max_position_embeddings
+    elif not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
+        raise InputError(f"{mode}: max_context must be an int of at least 1, got "
+                         f"{_show(max_context)}")
     prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
-    return prompts, ({cfg.eos_token_id} if stop_ids is None else stop_ids), max_context
+    return prompts, validate_stop_ids(stop_ids, cfg, mode), max_context
 
 
 @torch.no_grad()
 def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
-                       max_new_tokens: int, stop_ids: set[int] | None = None,
+                       max_new_tokens: int, stop_ids: Collection[int] | None = None,
                        max_context: int | None = None) -> GenerateResult:
     prompts, stop_ids, max_context = _prepare(target, prompts, max_new_tokens, stop_ids,
-                                              max_context)
+                                              max_context, "reference_generate")
     device = target.embed.weight.device
     start, forwards, outputs = time.perf_counter(), 0, []
     for prompt in prompts:
@@ -90,10 +167,12 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
 
 @torch.no_grad()
 def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
-                   max_new_tokens: int, stop_ids: set[int] | None = None,
+                   max_new_tokens: int, stop_ids: Collection[int] | None = None,
                    max_context: int | None = None) -> GenerateResult:
     prompts, stop_ids, max_context = _prepare(target, prompts, max_new_tokens, stop_ids,
-                                              max_context)
+                                              max_context, "plain_generate")
+    if not prompts:  # nothing to decode: no pool of zero requests
+        return GenerateResult([], _stats("plain", [], [], 0, time.perf_counter()))
     device = target.embed.weight.device
     pool = target.new_pool(PoolLayout(len(prompts), max_context, verify_width=1))
     rows = [pool.alloc() for _ in prompts]

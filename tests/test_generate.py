@@ -12,7 +12,7 @@ import torch
 
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.cli import make_checkpoint
-from nextn_graph.errors import InputError
+from nextn_graph.errors import CapacityError, InputError
 from nextn_graph.generate import plain_generate, reference_generate, validate_prompts
 
 
@@ -124,3 +124,25 @@ def test_validate_prompts_accepts_exact_fit(target):
     """A prompt that fills the context exactly with its new tokens is accepted unchanged."""
     prompt = list(range(2, 30))  # 28 tokens + 4 new = 32
     assert validate_prompts([tuple(prompt)], target.cfg, 32, 4) == [prompt]
+
+
+def test_reference_past_max_position_is_named_error(target):
+    """--mode reference with a max_context past max_position_embeddings once ran into an
+    IndexError in the RoPE table: the model's limit is checked up front, with figures;
+    an exact fit is accepted. Plain mode refuses the oversized context by name too."""
+    limit = target.cfg.max_position_embeddings
+    with pytest.raises(InputError) as info:
+        reference_generate(target, [[5, 6], [7] * (limit - 4)], 5,
+                           max_context=2 * limit)
+    assert str(info.value) == (f"request 1: prompt of {limit - 4} tokens + max_new_tokens 5 "
+                               f"exceeds the model's max_position_embeddings {limit}")
+    assert validate_prompts([[7] * (limit - 5)], target.cfg, 2 * limit, 5) == [[7] * (limit - 5)]
+    with pytest.raises(CapacityError, match=f"max_context {2 * limit} exceeds the model's "
+                                            f"max_position_embeddings {limit}"):
+        plain_generate(target, [[5, 6]], 2, max_context=2 * limit)
+
+
+def test_plain_generate_of_no_prompts_is_empty(target):
+    """No prompts: nothing to decode and no pool of zero requests (once a torch error)."""
+    assert plain_generate(target, [], 4).outputs == []
+    assert reference_generate(target, [], 4).outputs == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,16 +290,18 @@ def test_random_schedules_equal_the_reference(trained, schedule_engine, drawn):
 # -- 4. padding is inert -----------------------------------------------------------------
 
 def poison(eng: SpecEngine, batch: int) -> None:
-    """Garbage wherever a padding row may look: state row 0, round buffers past the
-    batch, and request row 0 of every KV ring and entry table (target and draft)."""
+    """Garbage wherever a padding row may look: both state slots of row 0, round
+    buffers past the batch, and request row 0 of every KV ring and entry table
+    (target and draft)."""
     vocab = eng.cfg.vocab_size
     state = eng.state
-    state.lengths[0] = 10**6
-    state.bonus[0] = vocab - 1
-    state.cand1[0] = vocab - 1
-    state.seed[0] = math.nan
+    for slot in (0, state.rows):
+        state.lengths[slot] = 10**6
+        state.bonus[slot] = vocab - 1
+        state.cand1[slot] = vocab - 1
+        state.seed[slot] = math.nan
     bufs = vars(eng.runner.phases.bufs)
-    max_batch = bufs["rows"].shape[0]
+    max_batch = bufs["slots"].shape[0]
     for t in bufs.values():
         rows_per_request = t.shape[0] // max_batch  # hidden holds N rows per request
         tail = t[batch * rows_per_request:]
@@ -330,9 +333,9 @@ def test_padding_rows_are_inert(trained):
             outputs[o.rid].extend(o.new_tokens)
         if c.padded_rows > padded:
             # A padding row ran over the poison: it read row 0 masked (length 0) and
-            # committed a length of at most N back into row 0.
+            # wrote a length of at most N into row 0's other copy.
             padded_steps += 1
-            assert int(eng.state.lengths[0]) <= 4
+            assert int(eng.state.lengths[eng.state.rows]) <= 4
     for rid, p, n in zip(rids, prompts, limits):
         assert outputs[rid] == reference(trained.target, p, n), rid
     assert padded_steps > 0 and c.padded_rows > 0
@@ -384,7 +387,7 @@ def test_steady_round_costs(engines, num_steps, replays):
 
 # -- 7. debug address check --------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["bufs.rows", "state.seed"])
+@pytest.mark.parametrize("name", ["bufs.slots", "state.seed"])
 def test_debug_address_check_names_the_moved_buffer(trained, name):
     """debug_check_addresses: a moved static tensor raises CaptureError naming it; off: no check."""
     group, attr = name.split(".")
@@ -396,10 +399,15 @@ def test_debug_address_check_names_the_moved_buffer(trained, name):
         tensor = getattr(holder, attr)
         tensor.set_(torch.zeros_like(tensor))
         eng.add_request([5, 6, 7, 8], 6, stop_ids=[])
-        if debug:
-            with pytest.raises(CaptureError, match=rf"{name} moved since capture"):
-                while eng.has_work:
-                    eng.step()
+        if debug:  # the round's requests fail with the error; nothing replays
+            replays = eng.runner.counters.graph_replays
+            outs = [o for _ in range(3) for o in eng.step()]
+            failed = [o for o in outs if o.error is not None]
+            assert len(failed) == 1 and failed[0].finished
+            assert re.search(rf"CaptureError: static input {name} moved since capture",
+                             failed[0].error)
+            assert eng.runner.counters.graph_replays == replays and not eng.has_work
+            assert eng.models.target_pool.free_rows == 2
         else:
             replays = eng.runner.counters.graph_replays
             while eng.has_work:

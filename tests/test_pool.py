@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import torch
 
 from nextn_graph.errors import CapacityError
 from nextn_graph.memory.batch import Chunk, ForwardBatch
-from nextn_graph.memory.pool import KVPool, PoolLayout
+from nextn_graph.memory.pool import KVPool, PoolLayout, device_memory_bytes, pool_nbytes
+from nextn_graph.model.config import NEXTN_COMPRESS_RATIO
 
 
 def test_layer_storage_follows_compress_ratio(tiny):
@@ -94,3 +96,70 @@ def test_pool_module_imports_first():
     proc = subprocess.run([sys.executable, "-c", "import nextn_graph.memory.pool"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-500:]
+
+
+@pytest.mark.parametrize("max_requests, max_context, verify_width, dtype", [
+    (1, 512, 1, torch.float32), (3, 256, 4, torch.bfloat16), (2, 64, 8, torch.float16),
+    (5, 130, 3, torch.float32),  # a context that is no multiple of 4 or 128
+])
+def test_pool_estimate_equals_allocated_bytes(tiny, max_requests, max_context, verify_width,
+                                              dtype):
+    """pool_nbytes, computed before allocating, equals nbytes() of the built pool and the
+    bytes of its tensors, for target (ratios 0 / 4 / 128) and draft pools."""
+    layout = PoolLayout(max_requests, max_context, verify_width)
+    for ratios in (tiny.target.layer_ratios(), [NEXTN_COMPRESS_RATIO]):
+        pool = KVPool(tiny.cfg, layout, ratios, dtype=dtype)
+        tensors = [t for layer in pool.layers for t in (
+            layer.swa.data, *(x for c in (layer.compressed, layer.index) if c is not None
+                              for x in (c.raw.data, c.entries)))]
+        assert pool_nbytes(tiny.cfg, layout, ratios, dtype) == pool.nbytes()
+        assert pool.nbytes() == sum(t.nbytes for t in tensors)
+        assert all(t.dtype == dtype for t in tensors)
+
+
+def test_absurd_pool_refused_with_figure_before_allocating(tiny):
+    """pool.max_requests 100000000 once tried to allocate ~243 GB: now a CapacityError
+    gives the figure in GiB and the memory it exceeds, and nothing was allocated
+    (the process's peak resident memory did not grow)."""
+    ratios = tiny.target.layer_ratios()
+    ram = device_memory_bytes("cpu")
+    per_row = pool_nbytes(tiny.cfg, PoolLayout(2, 512, 4), ratios, torch.float32) // 3
+    layout = PoolLayout(max(10**8, 2 * ram // per_row), 512, 4)
+    need = pool_nbytes(tiny.cfg, layout, ratios, torch.float32)
+    assert need == layout.rows * per_row > ram
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with pytest.raises(CapacityError) as info:
+        KVPool(tiny.cfg, layout, ratios)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 64 * 1024
+    assert str(info.value) == (
+        f"the KV pool of max_requests {layout.max_requests} x max_context 512 (verify width "
+        f"4, {len(ratios)} layers, torch.float32) needs {need / 2**30:.1f} GiB, more than the "
+        f"{ram / 2**30:.1f} GiB of physical memory on cpu")
+
+
+@pytest.mark.parametrize("layout, needle", [
+    (PoolLayout(0, 64, 4), "pool max_requests must be an int of at least 1, got 0"),
+    (PoolLayout(-5, 64, 4), "pool max_requests must be an int of at least 1, got -5"),
+    (PoolLayout(True, 64, 4), "pool max_requests must be an int of at least 1, got True"),
+    (PoolLayout(2, 0, 4), "pool max_context must be an int of at least 1, got 0"),
+    (PoolLayout(2, 64, 0), "pool verify_width must be an int of at least 1, got 0"),
+])
+def test_bad_pool_layout_refused(tiny, layout, needle):
+    """Zero or negative sizes are a named error, not a torch error on a negative dim."""
+    with pytest.raises(CapacityError) as info:
+        KVPool(tiny.cfg, layout, tiny.target.layer_ratios())
+    assert str(info.value) == needle
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_absurd_cuda_pool_refused_against_free_device_memory(tiny):
+    """On CUDA the bound is the free device memory (torch.cuda.mem_get_info)."""
+    ratios = tiny.target.layer_ratios()
+    free = torch.cuda.mem_get_info()[0]
+    per_row = pool_nbytes(tiny.cfg, PoolLayout(2, 512, 4), ratios, torch.float32) // 3
+    layout = PoolLayout(2 * free // per_row, 512, 4)
+    with pytest.raises(CapacityError, match=r"GiB of free device memory on cuda"):
+        KVPool(tiny.cfg, layout, ratios, device="cuda")
+    small = KVPool(tiny.cfg, PoolLayout(2, 64, 4), ratios, device="cuda")
+    assert small.nbytes() == pool_nbytes(tiny.cfg, PoolLayout(2, 64, 4), ratios, torch.float32)

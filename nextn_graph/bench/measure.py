@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import RunConfig
+from ..errors import ConfigError
 from ..graph.counting import launch_counter
 from ..runtime.engine import SpecEngine
 from ..train import Corpus, TrainSettings
@@ -30,6 +31,13 @@ class BenchSettings:
     timed_rounds: int = 24
     repeats: int = 3
     seed: int = 11
+
+    def __post_init__(self) -> None:
+        # Zero timed rounds or repeats would fail only after capture, with no median.
+        for key, low in (("warmup_rounds", 0), ("timed_rounds", 1), ("repeats", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"bench {key} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass

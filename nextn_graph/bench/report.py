@@ -1,7 +1,12 @@
-"""Bench outputs: the terminal table, JSON, a Markdown report and PNG plots."""
+"""Bench outputs: the terminal table, JSON, a Markdown report and PNG plots.
+
+Output paths are checked before the bench measures anything (``check_outputs``);
+the files are rendered in memory and written as one set (``files.commit_files``).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -10,6 +15,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..errors import InputError  # noqa: E402
+from .files import commit_files, creatable_dir  # noqa: E402
+
+PLOTS = ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png")
 HEADER = ("bucket", "NextN fwd", "eager subm", "graph subm", "replays", "subm ratio",
           "eager ms", "graph ms", "graph/eager", "acc len", "spec/plain")
 
@@ -85,12 +94,20 @@ Total {report['capture']['total_s']:.2f} s. Padding waste over batch sizes 1..{l
 """
 
 
-def plots(report: dict, out_dir: Path) -> list[Path]:
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def plots(report: dict) -> dict[str, bytes]:
+    """The three PNG plots, by file name (``PLOTS``), rendered in memory."""
     buckets = [r["bucket"] for r in report["buckets"]]
     x = range(len(buckets))
-    paths = []
 
-    def bars(name: str, key: str, ylabel: str, title: str, log: bool) -> None:
+    def bars(key: str, ylabel: str, title: str, log: bool) -> bytes:
         fig, ax = plt.subplots(figsize=(6, 4))
         w, top = 0.38, 0.0
         for i, mode in enumerate(("eager", "graph")):
@@ -105,15 +122,12 @@ def plots(report: dict, out_dir: Path) -> list[Path]:
         ax.set_ylim(top=top * (10 if log else 1.3))  # room for the legend above the bars
         ax.set_title(title)
         ax.legend(loc="upper center", ncol=2)
-        fig.tight_layout()
-        paths.append(out_dir / name)
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        return _png(fig)
 
-    bars("round_latency.png", "round_ms_median", "host round latency, median (ms)",
-         "Round latency: eager vs graph", log=False)
-    bars("submissions.png", "submissions_per_round", "submissions per round (log)",
-         "Device submissions per round: eager vs graph", log=True)
+    latency = bars("round_ms_median", "host round latency, median (ms)",
+                   "Round latency: eager vs graph", log=False)
+    submissions = bars("submissions_per_round", "submissions per round (log)",
+                       "Device submissions per round: eager vs graph", log=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     acc = [r["spec_vs_plain"]["acceptance_length"] for r in report["buckets"]]
     sp = [r["spec_vs_plain"]["speedup"] for r in report["buckets"]]
@@ -124,17 +138,37 @@ def plots(report: dict, out_dir: Path) -> list[Path]:
     ax.set_xlabel("acceptance length (tokens per request-round)")
     ax.set_ylabel("speed-up, speculative / plain (tokens/s)")
     ax.set_title(f"Speculative vs plain decoding ({report['settings']['backend']})")
-    fig.tight_layout()
-    paths.append(out_dir / "speedup_vs_acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return dict(zip(PLOTS, (latency, submissions, _png(fig))))
+
+
+def output_paths(out_dir: Path, json_path: Path | None) -> list[Path]:
+    """Every file the bench writes: the plots, the Markdown report, then the JSON."""
+    return [*(out_dir / name for name in PLOTS), out_dir / "bench.md",
+            json_path or out_dir / "bench.json"]
+
+
+def check_outputs(out_dir: Path, json_path: Path | None) -> None:
+    """Refuse output paths that could not be written, before any measurement."""
+    creatable_dir(out_dir, "output directory")
+    if json_path is not None:
+        label = f"JSON path {json_path}"
+        if json_path.is_dir():
+            raise InputError(f"{label}: is a directory, expected a file")
+        if json_path.absolute() in {p.absolute() for p in output_paths(out_dir, None)[:-1]}:
+            raise InputError(f"{label}: would overwrite another bench output")
+        creatable_dir(json_path.parent, label)
+    for path in output_paths(out_dir, json_path):
+        if path.is_dir():
+            raise InputError(f"bench output {path}: is a directory")
 
 
 def write_outputs(report: dict, out_dir: Path, json_path: Path | None) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report["outputs"] = {"plots": [str(p) for p in plots(report, out_dir)],
-                         "markdown": str(out_dir / "bench.md"),
-                         "json": str(json_path or out_dir / "bench.json")}
-    (out_dir / "bench.md").write_text(markdown(report))
-    Path(report["outputs"]["json"]).write_text(json.dumps(report, indent=2, default=str))
+    """JSON, Markdown and the plots, committed as one set (``commit_files``)."""
+    *plot_paths, md_path, json_path = output_paths(out_dir, json_path)
+    report["outputs"] = {"plots": [str(p) for p in plot_paths], "markdown": str(md_path),
+                         "json": str(json_path)}
+    pngs = plots(report)
+    files = {p: pngs[p.name] for p in plot_paths}
+    files[md_path] = markdown(report).encode()
+    files[json_path] = json.dumps(report, indent=2, default=str).encode()
+    commit_files(files)

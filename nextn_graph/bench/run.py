@@ -15,7 +15,8 @@ from ..config import RunConfig
 from ..graph.runner import plan_chunks
 from ..progress import progress_bar
 from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
-from .report import write_outputs
+from .report import check_outputs, write_outputs
+
 
 def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
     """Padded rows per batch size 1..max_requests under the bucket policy."""
@@ -31,6 +32,7 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
 
 def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
               json_path: Path | None = None, progress: bool = True) -> dict:
+    check_outputs(out_dir, json_path)  # a bad path fails now, not after the measurement
     start = time.perf_counter()
     models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
     engines = build_engines(models, cfg, progress)

@@ -5,11 +5,13 @@ target_verify) for every bucket B of the config; how is the backend's business.
 One capture loop serves all kinds: largest bucket first, warm-up, one shared
 pool, time and memory recorded per graph.
 
-A round picks the smallest bucket that fits, stages the request rows (padding
-rows are row 0, which every phase masks inside the graph), replays the three
+A round picks the smallest bucket that fits, stages the requests' state slots
+(padding is slot 0, which every phase masks inside the graph), replays the three
 graphs and reads back accept_lens, predictions and drafts in one host sync. A
-batch larger than the largest bucket is split into bucket-sized chunks; a kind
-that is not captured runs eagerly over the same buffers. Both are counted.
+batch larger than the largest bucket is split into bucket-sized chunks, which
+the engine runs one by one; a kind that is not captured runs eagerly over the
+same buffers. Both are counted. Nothing here commits: the engine does, once a
+chunk's readback succeeded.
 """
 
 from __future__ import annotations
@@ -117,30 +119,29 @@ class RoundRunner:
                                    f"({self._addresses.get(name):#x} -> {ptr:#x})")
 
     # -- replay ------------------------------------------------------------------
-    def run(self, rows: list[int], lengths: list[int]) -> RoundResult:
-        """One decode round for requests at pool ``rows`` with committed ``lengths``."""
-        plan = plan_chunks(len(rows), self.buckets if self.graphs else ())
+    def plan(self, n: int) -> list[tuple[int, int]]:
+        """(chunk size, bucket) pairs for a round of n requests; a split is counted."""
+        plan = plan_chunks(n, self.buckets if self.graphs else ())
         self.counters.bucket_splits += int(len(plan) > 1)
-        parts, start = [], 0
-        for size, bucket in plan:
-            parts.append(self._run_chunk(rows[start:start + size],
-                                         lengths[start:start + size], bucket))
-            start += size
-        return RoundResult(*(sum((getattr(p, f) for p in parts), []) for f in
-                             ("accept_lens", "preds", "drafts")))
+        return plan
 
-    def _stage(self, rows: list[int], bucket: int) -> None:
-        padded = rows + [0] * (bucket - len(rows))
-        self.phases.bufs.rows[:bucket].copy_(torch.tensor(padded), non_blocking=True)
+    def _stage(self, slots: list[int], bucket: int) -> None:
+        padded = slots + [0] * (bucket - len(slots))
+        self.phases.bufs.slots[:bucket].copy_(torch.tensor(padded), non_blocking=True)
 
-    def _run_chunk(self, rows: list[int], lengths: list[int], bucket: int) -> RoundResult:
-        b = len(rows)
+    def run_chunk(self, slots: list[int], lengths: list[int], bucket: int) -> RoundResult:
+        """One decode round for requests at state ``slots`` (their committed copies)
+        with committed ``lengths``, replayed at ``bucket``. The next state lands in
+        the other copies; nothing is committed here, so a raise leaves every
+        request's committed state as it was."""
+        b = len(slots)
         c = self.counters
         c.rounds, c.real_rows, c.padded_rows = c.rounds + 1, c.real_rows + b, c.padded_rows + bucket - b
-        self._stage(rows, bucket)
+        self._stage(slots, bucket)
         c.staging_copies += 1
         if self.debug_check_addresses and self.graphs:
             self._check_addresses()
+        rows = [s % self.phases.state.rows for s in slots]
         for kind in self._round_kinds():
             graph = self.graphs.get((kind, bucket))
             with self.tracer(kind, graph is not None) if self.tracer else nullcontext():

@@ -14,6 +14,9 @@ length work: positions written by a rejected speculation are overwritten by the
 next round before anything valid reads them, and they never clobber a position
 the next round still needs. The NextN draft gets its own SWA-only pool with the
 same request numbering as the target.
+
+Sizes come from ``LayerShape``: ``pool_nbytes`` gives a pool's bytes before anything
+is allocated, and ``KVPool`` refuses a pool larger than its device's memory.
 """
 
 from __future__ import annotations
@@ -107,36 +110,112 @@ class LayerCache:
     index: CompressedCache | None  # the lightning indexer's keys, ratio 4 only
 
 
+@dataclass(frozen=True)
+class CompressedShape:
+    raw_ring: int  # positions per request of the raw ring: coff*ratio + N - 1
+    raw_width: int  # 2 * coff * dim: pooled values, then gate scores
+    per_request: int  # entries per request: max_context // ratio, at least 1
+    dim: int
+
+    @property
+    def elements(self) -> int:
+        """Elements per request row."""
+        return self.raw_ring * self.raw_width + self.per_request * self.dim
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Sizes of one layer's cache; ``KVPool`` allocates exactly these."""
+
+    swa_ring: int  # window + N - 1
+    head_dim: int
+    compressed: CompressedShape | None  # ratio 4 / 128 only
+    index: CompressedShape | None  # ratio 4 only
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, layout: PoolLayout, ratio: int) -> "LayerShape":
+        n = layout.verify_width
+
+        def compressed(dim: int) -> CompressedShape:
+            coff = 2 if ratio == 4 else 1  # C4 entries overlap the previous block
+            # >= 1 entry per request: slot 0 is the sink of rows closing no block
+            return CompressedShape(coff * ratio + n - 1, 2 * coff * dim,
+                                   max(1, layout.max_context // ratio), dim)
+
+        return cls(cfg.sliding_window + n - 1, cfg.head_dim,
+                   compressed(cfg.head_dim) if ratio else None,
+                   compressed(cfg.index_head_dim) if ratio == 4 else None)
+
+    @property
+    def elements(self) -> int:
+        """Elements per request row."""
+        return self.swa_ring * self.head_dim + sum(
+            c.elements for c in (self.compressed, self.index) if c is not None)
+
+
+def pool_nbytes(cfg: ModelConfig, layout: PoolLayout, ratios: list[int],
+                dtype: torch.dtype) -> int:
+    """Bytes a ``KVPool`` of this layout takes, computed before allocating anything;
+    equals ``KVPool.nbytes()`` of the built pool."""
+    elements = sum(LayerShape.of(cfg, layout, r).elements for r in ratios)
+    return layout.rows * elements * dtype.itemsize
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """Memory a pool may take on ``device``: the host's physical RAM on CPU, the free
+    memory on a CUDA or NPU device; None where it is unknown (e.g. ``meta``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        from ..model.config import physical_memory_bytes  # model imports memory: not at top
+        return physical_memory_bytes()
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "npu":  # torch_npu is imported by whoever put tensors there
+        return torch.npu.mem_get_info(device)[0]
+    return None
+
+
+def _check_layout(cfg: ModelConfig, layout: PoolLayout) -> None:
+    for key in ("max_requests", "max_context", "verify_width"):
+        value = getattr(layout, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CapacityError(f"pool {key} must be an int of at least 1, got {value!r}")
+    if layout.max_context > cfg.max_position_embeddings:
+        raise CapacityError(
+            f"max_context {layout.max_context} exceeds the model's "
+            f"max_position_embeddings {cfg.max_position_embeddings}")
+
+
 class KVPool:
     """All KV storage of one model, plus the host-side request-row allocator."""
 
     def __init__(self, cfg: ModelConfig, layout: PoolLayout, ratios: list[int],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        if layout.max_context > cfg.max_position_embeddings:
+        _check_layout(cfg, layout)
+        need, have = pool_nbytes(cfg, layout, ratios, dtype), device_memory_bytes(device)
+        if have is not None and need > have:
+            where = "physical" if torch.device(device).type == "cpu" else "free device"
             raise CapacityError(
-                f"max_context {layout.max_context} exceeds the model's "
-                f"max_position_embeddings {cfg.max_position_embeddings}")
+                f"the KV pool of max_requests {layout.max_requests} x max_context "
+                f"{layout.max_context} (verify width {layout.verify_width}, {len(ratios)} "
+                f"layers, {dtype}) needs {need / 2**30:.1f} GiB, more than the "
+                f"{have / 2**30:.1f} GiB of {where} memory on {device}")
         self.layout = layout
         rows = layout.rows
-        swa_ring = cfg.sliding_window + layout.verify_width - 1
 
         def ring(size: int, width: int) -> Ring:
             return Ring(torch.zeros(rows * size, width, device=device, dtype=dtype), size)
 
-        def compressed(ratio: int, d: int) -> CompressedCache:
-            coff = 2 if ratio == 4 else 1  # C4 entries overlap the previous block
-            per_request = max(1, layout.max_context // ratio)  # >= 1: slot 0 is the sink
-            return CompressedCache(
-                raw=ring(coff * ratio + layout.verify_width - 1, 2 * coff * d),
-                entries=torch.zeros(rows * per_request, d, device=device, dtype=dtype),
-                per_request=per_request)
+        def compressed(shape: CompressedShape | None) -> CompressedCache | None:
+            if shape is None:
+                return None
+            entries = torch.zeros(rows * shape.per_request, shape.dim, device=device, dtype=dtype)
+            return CompressedCache(ring(shape.raw_ring, shape.raw_width), entries,
+                                   shape.per_request)
 
-        self.layers = [
-            LayerCache(
-                swa=ring(swa_ring, cfg.head_dim),
-                compressed=compressed(r, cfg.head_dim) if r else None,
-                index=compressed(r, cfg.index_head_dim) if r == 4 else None)
-            for r in ratios]
+        shapes = [LayerShape.of(cfg, layout, r) for r in ratios]
+        self.layers = [LayerCache(ring(s.swa_ring, s.head_dim), compressed(s.compressed),
+                                  compressed(s.index)) for s in shapes]
         self._free = list(range(layout.max_requests, 0, -1))  # row 0 is never handed out
 
     @property

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,23 +151,48 @@ def _yarn(where: str, value: Any) -> YarnScaling:
     kind = value.get("type", value.get("rope_type", "yarn"))
     if kind != "yarn":
         raise ConfigError(f"{where}: rope_scaling.type must be 'yarn', got {kind!r}")
-    try:
-        return YarnScaling(
-            factor=float(value["factor"]),
-            original_max_position_embeddings=int(value["original_max_position_embeddings"]),
-            beta_fast=float(value.get("beta_fast", 32)),
-            beta_slow=float(value.get("beta_slow", 1)),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"{where}: rope_scaling is missing key {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: rope_scaling has a non-numeric value ({exc})") from None
+    missing = {"factor", "original_max_position_embeddings"} - set(value)
+    if missing:
+        raise ConfigError(f"{where}: rope_scaling is missing key {sorted(missing)[0]!r}")
+    kinds = {"factor": float, "original_max_position_embeddings": int,
+             "beta_fast": float, "beta_slow": float}
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0}
+    return YarnScaling(**{key: _check_type(where, f"rope_scaling.{key}",
+                                           value.get(key, defaults.get(key)), kind)
+                          for key, kind in kinds.items()})
+
+
+# Integer keys that must be >= 1 (a width, a count, a rank) and keys that may be 0.
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+    "q_lora_rank", "o_lora_rank", "o_groups", "moe_intermediate_size", "n_routed_experts",
+    "num_experts_per_tok", "sliding_window", "index_n_heads", "index_head_dim",
+    "index_topk", "hc_mult", "hc_sinkhorn_iters", "max_position_embeddings")
+_NON_NEGATIVE_INTS = ("n_shared_experts", "num_hash_layers", "bos_token_id", "eos_token_id")
+# Float keys: (key, lowest value, whether the lowest is allowed). RoPE bases must
+# exceed 1: YaRN divides by log(base), and a base <= 1 never rotates.
+_FLOAT_RANGES = (
+    ("routed_scaling_factor", 0.0, False), ("rms_norm_eps", 0.0, False),
+    ("swiglu_limit", 0.0, True), ("hc_eps", 0.0, True),  # swiglu_limit 0: no clamp
+    ("rope_theta", 1.0, False), ("compress_rope_theta", 1.0, False))
+C4_RATIO = 4  # the ratio whose entries the lightning indexer picks top-k from
 
 
 def _validate(cfg: ModelConfig, where: str) -> None:
     def bad(key: str, why: str) -> ConfigError:
         return ConfigError(f"{where}: key {key!r} {why}")
 
+    for key in _POSITIVE_INTS:
+        if getattr(cfg, key) < 1:
+            raise bad(key, f"must be at least 1, got {getattr(cfg, key)}")
+    for key in _NON_NEGATIVE_INTS:
+        if getattr(cfg, key) < 0:
+            raise bad(key, f"must be at least 0, got {getattr(cfg, key)}")
+    for key, low, inclusive in _FLOAT_RANGES:
+        value = getattr(cfg, key)
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise bad(key, f"must be finite and {'>=' if inclusive else '>'} {low}, got {value}")
+    _validate_yarn(cfg.rope_scaling, where)
     if cfg.num_nextn_predict_layers != 1:
         raise bad("num_nextn_predict_layers",
                   f"is {cfg.num_nextn_predict_layers}; exactly one NextN layer is supported")
@@ -175,23 +202,110 @@ def _validate(cfg: ModelConfig, where: str) -> None:
     for i, r in enumerate(cfg.compress_ratios):
         if r not in SUPPORTED_RATIOS:
             raise bad("compress_ratios", f"entry {i} is {r}; supported ratios are {SUPPORTED_RATIOS}")
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "head_dim", "sliding_window", "hc_mult", "max_position_embeddings",
-                "index_topk", "num_experts_per_tok", "n_routed_experts", "o_groups"):
-        if getattr(cfg, key) <= 0:
-            raise bad(key, f"must be positive, got {getattr(cfg, key)}")
-    if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.head_dim:
-        raise bad("qk_rope_head_dim", "must be even and at most head_dim")
+    # RoPE rotates interleaved pairs of the last qk_rope_head_dim dims of the attention
+    # head and of the indexer head.
+    if cfg.qk_rope_head_dim % 2 or not 2 <= cfg.qk_rope_head_dim <= cfg.head_dim:
+        raise bad("qk_rope_head_dim", f"must be even, at least 2 and at most head_dim "
+                  f"{cfg.head_dim}, got {cfg.qk_rope_head_dim}")
     if cfg.qk_rope_head_dim > cfg.index_head_dim:
-        raise bad("index_head_dim", "must be at least qk_rope_head_dim")
+        raise bad("index_head_dim", f"{cfg.index_head_dim} must be at least qk_rope_head_dim "
+                  f"{cfg.qk_rope_head_dim}")
     if (cfg.num_attention_heads * cfg.head_dim) % cfg.o_groups:
-        raise bad("o_groups", "must divide num_attention_heads * head_dim")
+        raise bad("o_groups", f"{cfg.o_groups} must divide num_attention_heads * head_dim "
+                  f"= {cfg.num_attention_heads * cfg.head_dim}")
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        raise bad("num_experts_per_tok", "exceeds n_routed_experts")
+        raise bad("num_experts_per_tok", f"{cfg.num_experts_per_tok} exceeds n_routed_experts "
+                  f"{cfg.n_routed_experts}")
+    if cfg.num_hash_layers > n:
+        raise bad("num_hash_layers", f"{cfg.num_hash_layers} exceeds num_hidden_layers {n}")
+    c4_entries = cfg.max_position_embeddings // C4_RATIO  # a full-length sequence's
+    if C4_RATIO in cfg.compress_ratios[:n] and cfg.index_topk > c4_entries:
+        raise bad("index_topk", f"{cfg.index_topk} exceeds the {c4_entries} C4 entries of a "
+                  f"max_position_embeddings {cfg.max_position_embeddings} sequence, so the "
+                  f"indexer would never select")
     if cfg.scoring_func != "sqrtsoftplus":
         raise bad("scoring_func", f"is {cfg.scoring_func!r}; only 'sqrtsoftplus' is supported")
-    if not 0 <= cfg.eos_token_id < cfg.vocab_size:
-        raise bad("eos_token_id", f"{cfg.eos_token_id} is outside the vocabulary")
+    for key in ("bos_token_id", "eos_token_id"):
+        if getattr(cfg, key) >= cfg.vocab_size:
+            raise bad(key, f"{getattr(cfg, key)} is outside the vocabulary [0, {cfg.vocab_size})")
+    _check_model_fits(cfg, where)
+
+
+def _validate_yarn(y: YarnScaling, where: str) -> None:
+    # YaRN takes log(original / (beta * 2 pi)): every figure must be positive.
+    for key in ("factor", "beta_fast", "beta_slow"):
+        value = getattr(y, key)
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{where}: rope_scaling.{key} must be finite and > 0, got {value}")
+    if y.original_max_position_embeddings < 1:
+        raise ConfigError(f"{where}: rope_scaling.original_max_position_embeddings must be at "
+                          f"least 1, got {y.original_max_position_embeddings}")
+    if y.beta_fast < y.beta_slow:
+        raise ConfigError(f"{where}: rope_scaling.beta_fast {y.beta_fast} must be at least "
+                          f"beta_slow {y.beta_slow}")
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical RAM, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_model_fits(cfg: ModelConfig, where: str) -> None:
+    """Refuse a model that cannot be built here before a tensor is allocated.
+
+    Models are always built on the host in fp32 (a checkpoint is cast and moved
+    afterwards), so the bound is the host's physical memory whatever the device.
+    """
+    need, ram = model_bytes(cfg), physical_memory_bytes()
+    if ram is not None and need > ram:
+        raise ConfigError(
+            f"{where}: the model needs {need / 2**30:.1f} GiB as built (fp32 target + NextN "
+            f"draft, before any dtype cast), more than this machine's {ram / 2**30:.1f} GiB "
+            f"of physical memory; check vocab_size {cfg.vocab_size}, hidden_size "
+            f"{cfg.hidden_size}, num_hidden_layers {cfg.num_hidden_layers}, n_routed_experts "
+            f"{cfg.n_routed_experts}, moe_intermediate_size {cfg.moe_intermediate_size}, "
+            f"max_position_embeddings {cfg.max_position_embeddings}")
+
+
+def model_bytes(cfg: ModelConfig) -> int:
+    """Bytes of every parameter and buffer of the target and its NextN draft as built:
+    fp32, but int64 hash-routing tables. Mirrors the module tree (a test checks it
+    equals the built models exactly); Python ints, so no overflow however absurd."""
+    d, hc = cfg.hidden_size, cfg.hc_mult
+    stream_head = d + hc * cfg.hc_dim + hc + 1  # norm, hc_head_fn, _base, _scale
+    target = stream_head + 2 * cfg.vocab_size * d  # + embed, head
+    hashed_tables = 0
+    for i in range(cfg.num_hidden_layers):
+        hashed = i < cfg.num_hash_layers
+        target += _block_floats(cfg, cfg.layer_ratio(i), hashed)
+        hashed_tables += cfg.vocab_size * cfg.num_experts_per_tok if hashed else 0
+    draft = _block_floats(cfg, NEXTN_COMPRESS_RATIO, False) + stream_head + 2 * d * d + 2 * d
+    return 4 * (target + draft) + 8 * hashed_tables
+
+
+def _block_floats(cfg: ModelConfig, ratio: int, hashed: bool) -> int:
+    """fp32 elements of one decoder layer (``Block``): attention, MoE, norms, mHC."""
+    d, h, hd, q = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    o = cfg.o_groups * cfg.o_lora_rank
+    attn = h + q * d + q + h * hd * q + hd * d + hd + o * (h * hd // cfg.o_groups) + d * o
+    attn += 2 * cfg.max_position_embeddings * (cfg.qk_rope_head_dim // 2)  # RoPE cos, sin
+    if ratio:
+        attn += _compressor_floats(cfg, ratio, hd)
+    if ratio == C4_RATIO:
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        attn += hi * di * q + hi * d + _compressor_floats(cfg, ratio, di)
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    moe = e * d + (0 if hashed else e) + 3 * d * inter * (e + cfg.n_shared_experts)
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    return attn + moe + 2 * d + 2 * (mix * cfg.hc_dim + mix + 3)
+
+
+def _compressor_floats(cfg: ModelConfig, ratio: int, dim: int) -> int:
+    width = (2 if ratio == C4_RATIO else 1) * dim  # C4 entries overlap the previous block
+    return ratio * width + 2 * width * cfg.hidden_size + dim  # ape, wkv, wgate, norm
 
 
 def load_config(path: str | Path) -> ModelConfig:

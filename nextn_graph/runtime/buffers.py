@@ -1,12 +1,19 @@
 """Static state of the decode rounds, allocated once: addresses never move.
 
-``RequestState`` holds each request's speculative state by pool row (row 0 is
-padding). ``RoundBuffers`` holds one round's inputs and outputs at the largest
-bucket; a bucket of B requests uses the leading B rows. The phase functions
-read ``rows`` and gather everything else from the state tables *inside* the
-phase, masking padding rows (row 0) to position 0, token 0 and zero hidden, so a
-shrinking batch can never read stale rows: the only per-round staging is the
-copy of the request rows.
+``RequestState`` holds each request's speculative state in two copies per pool
+row (row 0 is padding). ``RoundBuffers`` holds one round's inputs and outputs at
+the largest bucket; a bucket of B requests uses the leading B rows. The phase
+functions read the staged state ``slots`` and gather everything else from the
+state tables *inside* the phase, masking padding rows (row 0) to position 0,
+token 0 and zero hidden, so a shrinking batch can never read stale rows: the
+only per-round staging is the copy of the request slots.
+
+Why two copies: a round reads each request's committed copy and writes the next
+state into the other one. The host flips a request to the new copy only after
+the round's readback succeeded, so a round that fails anywhere (a kernel error,
+out of memory, an interrupt) leaves every committed copy as it was, at no
+submission cost. KV written past the committed length is harmless: a redone
+round overwrites it before anything reads it (commit by length).
 """
 
 from __future__ import annotations
@@ -21,38 +28,58 @@ from .phases import SpecModels
 
 @dataclass(frozen=True)
 class RequestState:
-    lengths: torch.Tensor  # [R] committed length L (target KV exists below L)
-    bonus: torch.Tensor  # [R] the confirmed token at position L
-    cand1: torch.Tensor  # [R] draft candidate 1, for position L + 1
-    seed: torch.Tensor  # [R, hc*H] draft hidden seed for the rollout
+    """Per-request state by slot: ``row + copy * R`` for pool row ``row`` in [0, R)."""
+
+    lengths: torch.Tensor  # [2R] committed length L (target KV exists below L)
+    bonus: torch.Tensor  # [2R] the confirmed token at position L
+    cand1: torch.Tensor  # [2R] draft candidate 1, for position L + 1
+    seed: torch.Tensor  # [2R, hc*H] draft hidden seed for the rollout
 
     @staticmethod
     def allocate(rows: int, hc_dim: int, device, dtype) -> "RequestState":
         long = dict(dtype=torch.int64, device=device)
-        return RequestState(torch.zeros(rows, **long), torch.zeros(rows, **long),
-                            torch.zeros(rows, **long),
-                            torch.zeros(rows, hc_dim, device=device, dtype=dtype))
+        slots = 2 * rows
+        return RequestState(torch.zeros(slots, **long), torch.zeros(slots, **long),
+                            torch.zeros(slots, **long),
+                            torch.zeros(slots, hc_dim, device=device, dtype=dtype))
 
-    def store(self, rows: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
+    @property
+    def rows(self) -> int:
+        """R, the pool's request rows (padding row 0 included)."""
+        return self.lengths.shape[0] // 2
+
+    def slot(self, row: int, copy: int) -> int:
+        """Host side: the slot of ``row``'s copy 0 or 1."""
+        return row + copy * self.rows
+
+    def row_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pool rows [B] of slots [B] (padding slots give row 0)."""
+        return slots.remainder(self.rows)
+
+    def other(self, slots: torch.Tensor) -> torch.Tensor:
+        """The other copy's slots [B]: where a round writes the next state."""
+        return (slots + self.rows).remainder(2 * self.rows)
+
+    def store(self, slots: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
               cand1: torch.Tensor, seed: torch.Tensor) -> None:
-        """Write the state of ``rows`` [B]; padding rows all land in row 0, which
-        ``gather`` masks, so duplicate writes there are harmless."""
-        self.lengths.index_put_((rows,), lengths)
-        self.bonus.index_put_((rows,), bonus)
-        self.cand1.index_put_((rows,), cand1)
-        self.seed.index_put_((rows,), seed)
+        """Write the state of ``slots`` [B]; padding rows all land in a row-0 slot,
+        which ``gather`` masks, so duplicate writes there are harmless."""
+        self.lengths.index_put_((slots,), lengths)
+        self.bonus.index_put_((slots,), bonus)
+        self.cand1.index_put_((slots,), cand1)
+        self.seed.index_put_((slots,), seed)
 
-    def gather(self, rows: torch.Tensor):
-        """Per-request state of ``rows`` [B], padding rows (0) neutralised."""
-        pad = rows == 0  # [B]
-        return (self.lengths[rows].masked_fill(pad, 0), self.bonus[rows].masked_fill(pad, 0),
-                self.cand1[rows].masked_fill(pad, 0),
-                self.seed[rows].masked_fill(pad.unsqueeze(1), 0))
+    def gather(self, slots: torch.Tensor):
+        """Per-request state of ``slots`` [B], padding rows (row 0) neutralised."""
+        pad = self.row_of(slots) == 0  # [B]
+        return (self.lengths[slots].masked_fill(pad, 0), self.bonus[slots].masked_fill(pad, 0),
+                self.cand1[slots].masked_fill(pad, 0),
+                self.seed[slots].masked_fill(pad.unsqueeze(1), 0))
 
 
 @dataclass(frozen=True)
 class RoundBuffers:
-    rows: torch.Tensor  # [Bmax] pool rows of this round's requests, 0 = padding
+    slots: torch.Tensor  # [Bmax] committed state slots of this round's requests, 0 = padding
     draft_tokens: torch.Tensor  # [Bmax, S] the rollout's candidates
     preds: torch.Tensor  # [Bmax, N] target predictions over the verify window
     hidden: torch.Tensor  # [Bmax*N, hc*H] verify pre_hc_head
@@ -63,7 +90,7 @@ class RoundBuffers:
         n = num_steps + 1
         long = dict(dtype=torch.int64, device=device)
         return RoundBuffers(
-            rows=torch.zeros(max_batch, **long),
+            slots=torch.zeros(max_batch, **long),
             draft_tokens=torch.zeros(max_batch, num_steps, **long),
             preds=torch.zeros(max_batch, n, **long),
             hidden=torch.zeros(max_batch * n, hc_dim, device=device, dtype=dtype),
@@ -101,35 +128,43 @@ class RoundPhases:
         out.update({f"state.{k}": v for k, v in vars(self.state).items()})
         return out
 
+    def _staged(self, b: int):
+        """(slots [B], pool rows [B]) of the bucket's requests."""
+        slots = self.bufs.slots[:b]
+        return slots, self.state.row_of(slots)
+
     def rollout(self, b: int) -> None:
         """-> bufs.draft_tokens[:B]: candidate 1 and S - 1 NextN decode calls."""
-        rows = self.bufs.rows[:b]
-        lengths, _, cand1, seed = self.state.gather(rows)
+        slots, rows = self._staged(b)
+        lengths, _, cand1, seed = self.state.gather(slots)
         self.bufs.draft_tokens[:b].copy_(
             phases.rollout(self.m, rows, lengths, cand1, seed, self.num_steps))
 
     def verify(self, b: int) -> None:
         """-> bufs.preds[:B], bufs.hidden[:B*N]: one target forward over [bonus, d1..dS]."""
-        rows = self.bufs.rows[:b]
-        lengths, bonus, cand1, _ = self.state.gather(rows)
+        slots, rows = self._staged(b)
+        lengths, bonus, cand1, _ = self.state.gather(slots)
         if self.num_steps == 1:  # no rollout: the window is [bonus, candidate 1]
             self.bufs.draft_tokens[:b].copy_(cand1.unsqueeze(1))
         preds, hidden = phases.verify(self.m, rows, lengths, bonus, self.bufs.draft_tokens[:b])
         self.bufs.preds[:b].copy_(preds)
-        if self.num_steps == 0:  # plain decoding: commit the one new token here
+        if self.num_steps == 0:  # plain decoding: the next state is the one new token
             self.bufs.accept_lens[:b].fill_(1)
-            self.state.lengths.index_put_((rows,), lengths + 1)
-            self.state.bonus.index_put_((rows,), preds[:, 0])
+            nxt = self.state.other(slots)
+            self.state.lengths.index_put_((nxt,), lengths + 1)
+            self.state.bonus.index_put_((nxt,), preds[:, 0])
         else:  # the draft extend pairs each window row with its hidden
             self.bufs.hidden[: b * (self.num_steps + 1)].copy_(hidden)
 
     def draft_extend(self, b: int) -> None:
-        """Accept, draft extend with ``select_index``, and commit by length into the state."""
-        rows, n = self.bufs.rows[:b], self.num_steps + 1
-        lengths = self.state.gather(rows)[0]
+        """Accept, draft extend with ``select_index``; the next state goes to the other copy."""
+        slots, rows = self._staged(b)
+        n = self.num_steps + 1
+        lengths = self.state.gather(slots)[0]
         preds = self.bufs.preds[:b]
         accept_lens, bonus = phases.accept(self.bufs.draft_tokens[:b], preds)
         cand1, seed = phases.draft_extend(self.m, rows, lengths, preds,
                                           self.bufs.hidden[: b * n], accept_lens)
         self.bufs.accept_lens[:b].copy_(accept_lens)
-        self.state.store(rows, lengths + accept_lens, bonus, cand1, seed)  # commit by length
+        # Commit by length, into the copy the host flips to once the readback succeeded.
+        self.state.store(self.state.other(slots), lengths + accept_lens, bonus, cand1, seed)

@@ -6,11 +6,22 @@ every running request and returns each request's newly committed tokens. A
 finished request's pool row goes back at once. Per-request device state lives in
 tables indexed by pool row, so a round gathers it with one index tensor and the
 only host sync of a round is reading the accepted tokens back.
+
+A step is all-or-nothing per request. The host's outputs are the source of
+truth; a round writes each request's next device state into a second copy
+(``RequestState``) that counts only once the host committed it. A fault (an
+exception from a kernel, out of memory, a bug) in a unit of work (the prefill
+of the newly admitted requests, or one bucket-sized chunk of the round) fails
+exactly that unit's requests, each with its error and its row released; every
+other request is committed or untouched. An interrupt (``KeyboardInterrupt``)
+commits nothing of the round, puts requests being admitted back at the head of
+the queue and propagates; outputs made before it are delivered by the next step.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -18,8 +29,8 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, resolve_graph
-from ..errors import InputError
-from ..generate import GenerateResult, validate_prompt, validate_prompts
+from ..errors import InputError, RequestFailed
+from ..generate import GenerateResult, validate_prompt, validate_prompts, validate_stop_ids
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..graph.backends import GraphBackend, make_backend
@@ -29,6 +40,7 @@ from . import phases
 from .buffers import RequestState, RoundBuffers, RoundPhases
 from .stats import SpecStats
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Request:
@@ -38,7 +50,13 @@ class Request:
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
     row: int = 0  # pool request row once admitted (0 = not yet)
+    copy: int = 0  # which of the row's two state copies holds the committed state
     finished: bool = False
+
+    @property
+    def committed(self) -> int:
+        """Committed length L: all output but the bonus has target KV."""
+        return len(self.prompt) + len(self.output) - 1
 
     def emit(self, tokens: Iterable[int]) -> list[int]:
         """Append tokens up to a stop token or max_new_tokens; return what was kept."""
@@ -58,6 +76,7 @@ class StepOutput:
     new_tokens: list[int]  # committed this step, after stop / length cuts
     finished: bool
     draft_tokens: list[int]  # the candidates proposed this round (empty at prefill)
+    error: str | None = None  # set when a fault failed the request (finished too)
 
 
 class SpecEngine:
@@ -97,6 +116,7 @@ class SpecEngine:
         self.runner.capture(progress=progress)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: dict[int, Request] = {}  # by pool row
+        self._outbox: list[StepOutput] = []  # made but not yet returned by step()
         self._next_rid = 0
         self.stats = SpecStats(verify_width=width)
 
@@ -116,14 +136,7 @@ class SpecEngine:
         rid = self._next_rid
         prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens,
                                  f"request {rid}", self.lookahead)
-        if stop_ids is not None and not isinstance(stop_ids, (list, tuple, set, frozenset)):
-            raise InputError(f"request {rid}: stop_ids must be a collection of token ids, "
-                             f"got {stop_ids!r}")
-        stops = frozenset([self.cfg.eos_token_id] if stop_ids is None else stop_ids)
-        if any(not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < self.cfg.vocab_size for t in stops):
-            raise InputError(f"request {rid}: stop token ids {sorted(stops)} must lie in "
-                             f"[0, {self.cfg.vocab_size})")
+        stops = validate_stop_ids(stop_ids, self.cfg, f"request {rid}")
         self._next_rid += 1
         self._waiting.append(Request(rid, prompt, max_new_tokens, stops))
         return rid
@@ -138,10 +151,9 @@ class SpecEngine:
             if req.rid == rid:
                 self._waiting.remove(req)
                 return True
-        for row, req in self._running.items():
-            if req.rid == rid and not req.finished:
-                del self._running[row]
-                self.models.target_pool.release(row)
+        for req in self._running.values():
+            if req.rid == rid:
+                self._release(req)
                 return True
         return False
 
@@ -152,28 +164,53 @@ class SpecEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._outbox)
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
     def step(self) -> list[StepOutput]:
+        """Admit, run one round, and return every output made since the last return."""
         start = time.perf_counter()
-        outs = self._admit()
+        self._admit()
         mid = time.perf_counter()
         if self._running:
-            outs += self._round()
+            self._round()
         self.stats.prefill_s += mid - start
         self.stats.round_s += time.perf_counter() - mid
-        for row in [r for r, req in self._running.items() if req.finished]:
-            del self._running[row]
-            self.models.target_pool.release(row)
+        outs, self._outbox = self._outbox, []
         return outs
+
+    # -- commit and failure (host only) ------------------------------------------
+    def _release(self, req: Request) -> None:
+        del self._running[req.row]
+        self.models.target_pool.release(req.row)
+
+    def _commit(self, req: Request, tokens: list[int], drafts: list[int]) -> None:
+        kept = req.emit(tokens)
+        self.stats.emitted_tokens += len(kept)
+        if req.finished:
+            self._release(req)
+        self._outbox.append(StepOutput(req.rid, kept, req.finished, drafts))
+
+    def _fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
+        """A fault in one unit of work: its requests fail, with the error, rows released."""
+        reason = f"{where}: {type(exc).__name__}: {str(exc)[:500]}"
+        log.error("%s; failing requests %s", reason, [r.rid for r in reqs], exc_info=exc)
+        self.stats.faults += 1
+        self.stats.failed_requests += len(reqs)
+        for req in reqs:
+            req.finished = True
+            if req.row in self._running:
+                self._release(req)
+            else:  # being admitted: its row is not in the running table yet
+                self.models.target_pool.release(req.row)
+            self._outbox.append(StepOutput(req.rid, [], True, [], error=reason))
 
     # -- phases ----------------------------------------------------------------
     @torch.no_grad()
-    def _admit(self) -> list[StepOutput]:
+    def _admit(self) -> None:
         pool = self.models.target_pool
         new = []
         while self._waiting and pool.free_rows:
@@ -181,64 +218,91 @@ class SpecEngine:
             req.row = pool.alloc()
             new.append(req)
         if not new:
-            return []
-        bonus, cand1, seed = phases.prefill(self.models, [r.row for r in new],
-                                            [r.prompt for r in new], self.device,
-                                            with_draft=self.num_steps > 0)
-        rows = torch.tensor([r.row for r in new], device=self.device)
-        lengths = torch.tensor([len(r.prompt) for r in new], device=self.device)
-        self.state.store(rows, lengths, bonus, cand1, seed)
+            return
+        try:
+            bonus = self._prefill(new)
+        except Exception as exc:
+            self._fail(new, exc, "prefill")
+            return
+        except BaseException:  # an interrupt: back to the head of the queue, untouched
+            for req in reversed(new):
+                pool.release(req.row)
+                req.row = 0
+                self._waiting.appendleft(req)
+            raise
         self.stats.prefill_forwards += 1
         self.stats.nextn_extend_forwards += int(self.num_steps > 0)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in new)
-        outs = []
-        for req, tok in zip(new, bonus.tolist()):
+        for req, tok in zip(new, bonus):
+            req.copy = 0
             self._running[req.row] = req
-            kept = req.emit([tok])
-            self.stats.emitted_tokens += len(kept)
-            outs.append(StepOutput(req.rid, kept, req.finished, []))
-        return outs
+            self._commit(req, [tok], [])
+
+    def _prefill(self, new: list[Request]) -> list[int]:
+        """Prefill + draft extend into the rows' copy 0 -> the bonus tokens (host)."""
+        bonus, cand1, seed = phases.prefill(self.models, [r.row for r in new],
+                                            [r.prompt for r in new], self.device,
+                                            with_draft=self.num_steps > 0)
+        slots = torch.tensor([self.state.slot(r.row, 0) for r in new], device=self.device)
+        lengths = torch.tensor([len(r.prompt) for r in new], device=self.device)
+        self.state.store(slots, lengths, bonus, cand1, seed)
+        return bonus.tolist()
 
     @torch.no_grad()
-    def _round(self) -> list[StepOutput]:
-        active = [req for req in self._running.values() if not req.finished]
-        if not active:
-            return []
-        s, chunks = self.num_steps, self.runner.counters.rounds
-        # Committed length on the host: all output but the bonus has target KV.
-        res = self.runner.run([r.row for r in active],
-                              [len(r.prompt) + len(r.output) - 1 for r in active])
-        chunks = self.runner.counters.rounds - chunks
-        b = len(active)
-        st = self.stats
-        st.rounds += 1
-        st.request_rounds += b
-        st.verify_forwards += chunks
-        st.nextn_extend_forwards += chunks * int(s > 0)
-        st.nextn_decode_forwards += chunks * max(s - 1, 0)
-        st.proposed_drafts += b * s
-        st.accepted_drafts += sum(res.accept_lens) - b
-        outs = []
-        for req, a, preds, drafts in zip(active, res.accept_lens, res.preds, res.drafts):
-            kept = req.emit(preds[:a])
-            st.emitted_tokens += len(kept)
-            outs.append(StepOutput(req.rid, kept, req.finished, drafts))
-        return outs
+    def _round(self) -> None:
+        """Run every chunk, then commit the ones that read back (host only)."""
+        active = list(self._running.values())
+        done = []
+        start = 0
+        for size, bucket in self.runner.plan(len(active)):
+            chunk, start = active[start:start + size], start + size
+            try:
+                res = self.runner.run_chunk([self.state.slot(r.row, r.copy) for r in chunk],
+                                            [r.committed for r in chunk], bucket)
+            except Exception as exc:
+                self._fail(chunk, exc, "decode round")
+                continue
+            done.append((chunk, res))
+        s, st = self.num_steps, self.stats
+        st.rounds += int(bool(done))
+        for chunk, res in done:
+            b = len(chunk)
+            st.request_rounds += b
+            st.verify_forwards += 1
+            st.nextn_extend_forwards += int(s > 0)
+            st.nextn_decode_forwards += max(s - 1, 0)
+            st.proposed_drafts += b * s
+            st.accepted_drafts += sum(res.accept_lens) - b
+            for req, a, preds, drafts in zip(chunk, res.accept_lens, res.preds, res.drafts):
+                req.copy ^= 1  # the round's next state is now the committed one
+                self._commit(req, preds[:a], drafts)
 
     # -- convenience -----------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  stop_ids: Iterable[int] | None = None) -> GenerateResult:
-        """Run a batch to completion; outputs in prompt order."""
+        """Run a batch to completion on an idle engine; outputs in prompt order.
+
+        Raises ``RequestFailed`` (with the partial result) when a fault failed
+        any request; the others ran to completion.
+        """
+        if self.has_work:
+            raise InputError(f"generate() runs a batch on an idle engine; this one has "
+                             f"{len(self._waiting) + len(self._running)} requests in flight "
+                             f"(drive them with step())")
         # All-or-nothing: a bad prompt raises before any request is queued.
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
         start = time.perf_counter()
         before = SpecStats(**vars(self.stats))
         replays_before = self.runner.counters.as_dict()
         rids = [self.add_request(p, max_new_tokens, stop_ids) for p in prompts]
-        outputs: dict[int, list[int]] = {rid: [] for rid in rids}
+        index = {rid: i for i, rid in enumerate(rids)}
+        outputs: list[list[int]] = [[] for _ in rids]
+        errors: dict[int, str] = {}  # by prompt index
         while self.has_work:
             for out in self.step():
-                outputs[out.rid].extend(out.new_tokens)
+                outputs[index[out.rid]].extend(out.new_tokens)
+                if out.error is not None:
+                    errors[index[out.rid]] = out.error
         stats = SpecStats(**{k: v - getattr(before, k) for k, v in vars(self.stats).items()})
         stats.verify_width = self.num_steps + 1
         wall = time.perf_counter() - start
@@ -248,4 +312,9 @@ class SpecEngine:
                  "backend": self.runner.backend.name, "wall_s": round(wall, 4),
                  "tokens_per_s": round(stats.emitted_tokens / wall, 2) if wall > 0 else None,
                  **replays}
-        return GenerateResult([outputs[r] for r in rids], {**extra, **stats.as_dict()})
+        result = GenerateResult(outputs, {**extra, **stats.as_dict()})
+        if errors:
+            i, reason = next(iter(errors.items()))
+            raise RequestFailed(f"{len(errors)} of {len(rids)} requests failed "
+                                f"(prompt {i}: {reason})", errors, result)
+        return result

@@ -17,6 +17,8 @@ class SpecStats:
     accepted_drafts: int = 0  # candidates the target confirmed (accept_lens - 1)
     emitted_tokens: int = 0  # tokens returned to callers (after stop / length cuts)
     prompt_tokens: int = 0
+    faults: int = 0  # units of work (a prefill, a round chunk) that raised
+    failed_requests: int = 0  # requests those faults failed
     verify_width: int = 0  # N of the runs counted here
     prefill_s: float = 0.0  # host wall time in prefill + draft extend for prefill
     round_s: float = 0.0  # host wall time in decode rounds (ends with the round's sync)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, show_value
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +79,6 @@ _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _show(value: Any, limit: int = 80) -> str:
-    """A rejected value for an error message, cut short: a message never grows
-    with the input (a long list or string prints its head and ``...``)."""
-    short = reprlib.Repr()
-    short.maxlevel, short.maxstring, short.maxother = 3, limit, limit
-    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
-    text = short.repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses anchors, aliases, merge keys and duplicate keys.
 
@@ -109,7 +98,7 @@ class _StrictLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.NodeEvent) and event.anchor is not None:
             kind = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
-            raise self._refuse(event.start_mark, f"YAML {kind} {_show(event.anchor)} is not "
+            raise self._refuse(event.start_mark, f"YAML {kind} {show_value(event.anchor)} is not "
                                                  f"allowed in a config file")
         return super().compose_node(parent, index)
 
@@ -121,7 +110,7 @@ class _StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             try:
                 if key in seen:
-                    raise self._refuse(key_node.start_mark, f"duplicate key {_show(key)}")
+                    raise self._refuse(key_node.start_mark, f"duplicate key {show_value(key)}")
                 seen.add(key)
             except TypeError:  # an unhashable key: the base constructor refuses it below
                 pass
@@ -154,12 +143,12 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
     """Strictly build dataclass ``cls`` from a YAML mapping."""
     if not isinstance(raw, dict):
         what = f"key {prefix.rstrip('.')!r}" if prefix else "top level"
-        raise ConfigError(f"{where}: {what} must be a mapping, got {_show(raw)}")
+        raise ConfigError(f"{where}: {what} must be a mapping, got {show_value(raw)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise ConfigError(f"{where}: unknown key {_show(prefix + unknown[0])} "
+        raise ConfigError(f"{where}: unknown key {show_value(prefix + unknown[0])} "
                           f"(known: {', '.join(sorted(names))})")
     values = {}
     for name, value in raw.items():
@@ -171,13 +160,14 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
             item = typing.get_args(kind)[0]
             if not isinstance(value, list) or not all(_is(v, item) for v in value):
                 raise ConfigError(f"{where}: key {key!r} must be a list of "
-                                  f"{item.__name__}, got {_show(value)}")
+                                  f"{item.__name__}, got {show_value(value)}")
             value = tuple(value)
         elif not _is(value, kind):
-            raise ConfigError(f"{where}: key {key!r} must be {_NAMES[kind]}, got {_show(value)}")
+            raise ConfigError(f"{where}: key {key!r} must be {_NAMES[kind]}, "
+                              f"got {show_value(value)}")
         if name in _CHOICES and value not in _CHOICES[name]:
             raise ConfigError(f"{where}: key {key!r} must be one of {_CHOICES[name]}, "
-                              f"got {_show(value)}")
+                              f"got {show_value(value)}")
         values[name] = value
     return cls(**values)
 
@@ -187,8 +177,8 @@ def resolve_speculative(spec: SpeculativeConfig, where: str) -> SpeculativeConfi
     algo = str(spec.algorithm).upper()
     if algo not in ALGORITHM_ALIASES:
         raise ConfigError(
-            f"{where}: key 'speculative.algorithm' is {_show(spec.algorithm)}; this runtime drives "
-            f"the NextN draft only (EAGLE, or its alias NEXTN)")
+            f"{where}: key 'speculative.algorithm' is {show_value(spec.algorithm)}; this "
+            f"runtime drives the NextN draft only (EAGLE, or its alias NEXTN)")
     if spec.eagle_topk != 1:
         raise ConfigError(f"{where}: key 'speculative.eagle_topk' is {spec.eagle_topk}; only "
                           f"topk 1 (a linear draft chain) is supported")
@@ -232,17 +222,17 @@ def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:
     buckets = graph.buckets
     if any(b < 1 for b in buckets):
         raise ConfigError(f"{where}: key 'graph.buckets' must list positive request "
-                          f"counts, got {_show(list(buckets))}")
+                          f"counts, got {show_value(list(buckets))}")
     if list(buckets) != sorted(set(buckets)):
         raise ConfigError(f"{where}: key 'graph.buckets' must be sorted ascending without "
-                          f"duplicates, got {_show(list(buckets))}")
+                          f"duplicates, got {show_value(list(buckets))}")
     if buckets[-1] > pool.max_requests:
         raise ConfigError(f"{where}: key 'graph.buckets' has bucket {buckets[-1]} above the "
                           f"request pool (pool.max_requests = {pool.max_requests})")
     unknown = [k for k in graph.kinds if k not in GRAPH_KINDS]
     if unknown or len(set(graph.kinds)) != len(graph.kinds):
         raise ConfigError(f"{where}: key 'graph.kinds' must be distinct names from "
-                          f"{GRAPH_KINDS}, got {_show(list(graph.kinds))}")
+                          f"{GRAPH_KINDS}, got {show_value(list(graph.kinds))}")
     if graph.warmup < 0:
         raise ConfigError(f"{where}: key 'graph.warmup' must be >= 0, got {graph.warmup}")
 

@@ -1,5 +1,17 @@
 """Errors the library raises on bad input. Each message names the file, key or value."""
 
+import reprlib
+
+
+def show_value(value: object, limit: int = 80) -> str:
+    """A rejected value for an error message, cut short: a message never grows
+    with the input (a long list or string prints its head and ``...``)."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, limit, limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
 
 class NextnGraphError(Exception):
     """Base class: every user-facing error of the library."""
@@ -25,7 +37,8 @@ class RequestFailed(NextnGraphError):
     """A fault inside a step (a kernel error, out of memory) failed these requests.
 
     Every other request was left untouched or committed normally; ``errors`` maps
-    each failed request (by prompt index, from ``generate``) to its reason, ``result`` holds what completed.
+    each failed request (by prompt index, from ``generate``) to its reason;
+    ``result`` holds what completed.
     """
 
     def __init__(self, message: str, errors: dict[int, str], result=None):

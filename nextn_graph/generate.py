@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import InputError
+from .errors import InputError, show_value
 from .memory.batch import Chunk, ForwardBatch
 from .memory.pool import PoolLayout
 from .model import DeepseekV4ForCausalLM, ModelConfig
@@ -29,8 +29,7 @@ class GenerateResult:
 
 def _show(value: object) -> str:
     """``value`` for an error message: its type and a repr cut short."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{type(value).__name__} {show_value(value, 60)}"
 
 
 def _is_integer_dtype(dtype: torch.dtype | np.dtype) -> bool:

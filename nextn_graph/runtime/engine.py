@@ -114,8 +114,12 @@ class SpecEngine:
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates)
         self.runner.capture(progress=progress)
+        # Waiting requests in arrival order; an aborted one stays until admission
+        # skips it (finished), so abort() is O(1) however long the queue.
         self._waiting: collections.deque[Request] = collections.deque()
+        self._num_waiting = 0  # live requests in _waiting
         self._running: dict[int, Request] = {}  # by pool row
+        self._live: dict[int, Request] = {}  # by rid: waiting or running
         self._outbox: list[StepOutput] = []  # made but not yet returned by step()
         self._next_rid = 0
         self.stats = SpecStats(verify_width=width)
@@ -138,24 +142,33 @@ class SpecEngine:
                                  f"request {rid}", self.lookahead)
         stops = validate_stop_ids(stop_ids, self.cfg, f"request {rid}")
         self._next_rid += 1
-        self._waiting.append(Request(rid, prompt, max_new_tokens, stops))
+        req = Request(rid, prompt, max_new_tokens, stops)
+        self._waiting.append(req)
+        self._live[rid] = req
+        self._num_waiting += 1
         return rid
 
     def abort(self, rid: int) -> bool:
         """Drop a request (a client went away): its row returns to the pool at once.
 
         Returns False when ``rid`` is unknown or already finished. Other requests
-        are untouched: their state lives in their own rows.
+        are untouched: their state lives in their own rows. After it returns,
+        ``step()`` returns nothing more for ``rid``.
         """
-        for req in list(self._waiting):
-            if req.rid == rid:
-                self._waiting.remove(req)
-                return True
-        for req in self._running.values():
-            if req.rid == rid:
-                self._release(req)
-                return True
-        return False
+        req = self._live.get(rid)
+        if req is None:
+            return False
+        if req.row:
+            self._release(req)
+        else:  # still waiting: admission skips it
+            del self._live[rid]
+            self._num_waiting -= 1
+            if not self._num_waiting:
+                self._waiting.clear()
+        req.finished = True
+        if self._outbox:
+            self._outbox = [o for o in self._outbox if o.rid != rid]
+        return True
 
     @property
     def lookahead(self) -> int:
@@ -164,11 +177,11 @@ class SpecEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._outbox)
+        return bool(self._num_waiting or self._running or self._outbox)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._num_waiting
 
     def step(self) -> list[StepOutput]:
         """Admit, run one round, and return every output made since the last return."""
@@ -184,7 +197,9 @@ class SpecEngine:
 
     # -- commit and failure (host only) ------------------------------------------
     def _release(self, req: Request) -> None:
-        del self._running[req.row]
+        """A request leaves the engine (finished, failed or aborted): its row goes back."""
+        self._running.pop(req.row, None)  # absent while being admitted
+        self._live.pop(req.rid, None)
         self.models.target_pool.release(req.row)
 
     def _commit(self, req: Request, tokens: list[int], drafts: list[int]) -> None:
@@ -202,10 +217,7 @@ class SpecEngine:
         self.stats.failed_requests += len(reqs)
         for req in reqs:
             req.finished = True
-            if req.row in self._running:
-                self._release(req)
-            else:  # being admitted: its row is not in the running table yet
-                self.models.target_pool.release(req.row)
+            self._release(req)
             self._outbox.append(StepOutput(req.rid, [], True, [], error=reason))
 
     # -- phases ----------------------------------------------------------------
@@ -213,9 +225,12 @@ class SpecEngine:
     def _admit(self) -> None:
         pool = self.models.target_pool
         new = []
-        while self._waiting and pool.free_rows:
+        while self._num_waiting and pool.free_rows:
             req = self._waiting.popleft()
+            if req.finished:  # aborted while waiting
+                continue
             req.row = pool.alloc()
+            self._num_waiting -= 1
             new.append(req)
         if not new:
             return
@@ -229,6 +244,7 @@ class SpecEngine:
                 pool.release(req.row)
                 req.row = 0
                 self._waiting.appendleft(req)
+            self._num_waiting += len(new)
             raise
         self.stats.prefill_forwards += 1
         self.stats.nextn_extend_forwards += int(self.num_steps > 0)
@@ -289,8 +305,9 @@ class SpecEngine:
             raise InputError(f"generate() runs a batch on an idle engine; this one has "
                              f"{len(self._waiting) + len(self._running)} requests in flight "
                              f"(drive them with step())")
-        # All-or-nothing: a bad prompt raises before any request is queued.
+        # All-or-nothing: a bad prompt or stop id raises before any request is queued.
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
+        validate_stop_ids(stop_ids, self.cfg, "generate")
         start = time.perf_counter()
         before = SpecStats(**vars(self.stats))
         replays_before = self.runner.counters.as_dict()

@@ -152,13 +152,36 @@ def _check_layout(root: Path, tensors: dict[str, torch.Tensor],
             raise CheckpointError(f"{root}: tensor {key!r} has shape {list(got.shape)}, "
                                   f"expected {list(ref.shape)}")
         if key.endswith("tid2eid"):
-            if got.dtype.is_floating_point or bool(((got < 0) | (got >= cfg.n_routed_experts)).any()):
-                raise CheckpointError(f"{root}: tensor {key!r} must hold expert ids in "
-                                      f"[0, {cfg.n_routed_experts})")
-        elif not got.dtype.is_floating_point:
-            raise CheckpointError(f"{root}: tensor {key!r} has dtype {got.dtype}, expected a float")
-        elif not bool(torch.isfinite(got).all()):  # NaN/Inf would silently decode token 0
+            _check_expert_ids(root, key, got, cfg.n_routed_experts)
+            continue
+        _check_weight_dtype(root, key, got.dtype)
+        if not bool(torch.isfinite(got).all()):  # NaN/Inf would silently decode token 0
             raise CheckpointError(f"{root}: tensor {key!r} holds NaN or Inf values")
+
+
+# Float dtypes a weight may be stored in; each converts exactly to the fp32 it is built in.
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_weight_dtype(root: Path, key: str, dtype: torch.dtype) -> None:
+    if dtype in WEIGHT_DTYPES:
+        return
+    # The released DeepSeek-V4 ships FP8 (1 byte) and packed FP4 weights with scales;
+    # loading them needs dequantization this project does not do yet.
+    low_bit = dtype.itemsize <= 1 and dtype != torch.bool
+    hint = "; FP8/FP4 weights are not supported yet: dequantize to bf16" if low_bit else ""
+    raise CheckpointError(f"{root}: tensor {key!r} has dtype {dtype}, expected bf16, fp16 "
+                          f"or fp32{hint}")
+
+
+def _check_expert_ids(root: Path, key: str, got: torch.Tensor, n_experts: int) -> None:
+    """``tid2eid``: integer expert ids in [0, n_experts) (a bool or float is not an id)."""
+    dtype = got.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise CheckpointError(f"{root}: tensor {key!r} has dtype {dtype}; expert ids need an "
+                              f"integer dtype")
+    if bool(((got < 0) | (got >= n_experts)).any()):
+        raise CheckpointError(f"{root}: tensor {key!r} must hold expert ids in [0, {n_experts})")
 
 
 BUILTIN = "builtin:"
@@ -208,9 +231,13 @@ def save_checkpoint(models: LoadedModel, path: str | Path,
     root = Path(path)
     target = root.resolve()  # a symlinked dir: replace what it points at, keep the link
     _check_replaceable(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = _fresh_sibling(target, "partial")
-    staging.mkdir()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:  # a parent that is a file, no permission, a read-only disk
+        raise CheckpointError(f"{root}: cannot create the checkpoint directory "
+                              f"({exc.strerror or exc})") from None
     try:
         _write_files(models, staging, max_shard_bytes)
         _swap_in(staging, target)
@@ -228,6 +255,11 @@ def _is_checkpoint_file(path: Path) -> bool:
 def _check_replaceable(root: Path) -> None:
     """Only a missing path, an empty dir or a checkpoint dir may be written over."""
     if not root.exists():
+        parent = root.parent
+        while not parent.exists():  # the nearest ancestor that exists decides
+            parent = parent.parent
+        if not parent.is_dir():
+            raise CheckpointError(f"{root}: cannot create it, {parent} is not a directory")
         return
     if not root.is_dir():
         raise CheckpointError(f"{root}: exists and is not a directory")

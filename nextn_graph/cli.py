@@ -21,11 +21,12 @@ from .checkpoint import load_checkpoint, random_models, save_checkpoint
 from .config import GRAPH_BACKENDS, TORCH_DTYPES, RunConfig, load_run_config
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
-from .errors import InputError, NextnGraphError
+from .errors import InputError, NextnGraphError, show_value
 from .generate import plain_generate, reference_generate, validate_prompts
 from .presets import PRESETS, preset_config
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
+SEED_LIMIT = 2**63  # torch generators take a 64-bit seed
 
 
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
@@ -35,6 +36,9 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
 
     ``out`` is written atomically: an earlier checkpoint there is replaced whole
     (never mixed with the new shards); a non-empty non-checkpoint dir is refused."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise InputError(f"make-checkpoint: seed must be an integer in [0, 2**63), got "
+                         f"{show_value(seed)}")
     if preset == TRAINED_PRESET:
         return save_checkpoint(make_trained(seed), out, max_shard_bytes)
     return save_checkpoint(random_models(preset_config(preset), seed), out, max_shard_bytes)
@@ -58,22 +62,57 @@ def _read_text(path: Path, what: str) -> str:
                          f"byte offset {exc.start})") from None
 
 
+PROMPT_KEYS = ("input_ids",)  # per-request settings are options of the command, not keys
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict; a repeated key would silently keep the last."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _prompt_row(line: str, where: str) -> object:
+    """One JSONL line, parsed strictly: duplicate keys and absurd nesting are named."""
+    try:
+        return json.loads(line, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise InputError(f"{where}: duplicate key {show_value(exc.args[0])}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: malformed JSON ({exc.msg})") from None
+    except ValueError as exc:  # an integer literal too long to convert
+        raise InputError(f"{where}: malformed JSON ({str(exc)[:120]})") from None
+    except RecursionError:
+        raise InputError(f"{where}: malformed JSON (nested too deeply)") from None
+
+
 def read_prompts(path: str | Path) -> list[list[int]]:
-    """JSONL, one ``{"input_ids": [...]}`` per line; blank lines are skipped."""
+    """JSONL, one ``{"input_ids": [...]}`` per line; blank lines are skipped. Any other
+    key (``max_new_tokens``, ``stop_ids``) is refused rather than silently ignored."""
     path = Path(path)
     text = _read_text(path, "prompts file")
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
+        where = f"{path}:{number}"
+        row = _prompt_row(line, where)
+        unknown = [k for k in row if k not in PROMPT_KEYS] if isinstance(row, dict) else []
+        if unknown:
+            raise InputError(f"{where}: unknown key {show_value(unknown[0])} (each line is "
+                             f"{{\"input_ids\": [int, ...]}} only; per-request settings "
+                             f"such as max_new_tokens are command options)")
         ids = row.get("input_ids") if isinstance(row, dict) else None
         if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InputError(f"{path}:{number}: expected {{\"input_ids\": [int, ...]}}")
+            raise InputError(f"{where}: expected {{\"input_ids\": [int, ...]}}")
         prompts.append(ids)
     if not prompts:
         raise InputError(f"{path}: no prompts")
@@ -92,6 +131,14 @@ def _check_device(device: str) -> None:
                              f"CANN toolkit)") from None
 
 
+def _pin_threads(threads: int, device: str) -> None:
+    """torch intra-op threads for work on the host, set before any: the tiny default
+    model's ops are too small to split, so extra threads only add OpenMP barrier
+    waits (and on a shared machine, contention). Every subcommand uses this."""
+    if device.split(":")[0] == "cpu":
+        torch.set_num_threads(threads)
+
+
 def _run_config(args: argparse.Namespace) -> RunConfig:
     """The YAML config (or defaults) with the command line's explicit overrides."""
     if args.config is None and args.checkpoint is None:
@@ -105,6 +152,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 
 def _generate(args: argparse.Namespace) -> int:
     cfg = _run_config(args)
+    _pin_threads(args.threads, cfg.device)
     prompts = read_prompts(args.prompts)
     models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
     if args.mode == "spec":
@@ -131,6 +179,7 @@ def _demo(args: argparse.Namespace) -> int:
     """The embedded default: speculative, plain and reference decoding of the same
     prompts on the tiny trained checkpoint; all three must agree token for token."""
     cfg = load_run_config(None, checkpoint=args.checkpoint)  # the embedded default
+    _pin_threads(args.threads, cfg.device)
     models = load_checkpoint(cfg.checkpoint)
     corpus = Corpus(models.cfg.vocab_size, TrainSettings().phrases, torch.Generator().manual_seed(7))
     prompts = [corpus.sample(n) for n in (12, 20, 28, 40)]
@@ -162,8 +211,7 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.config, checkpoint=args.checkpoint,
                           graph={"backend": args.backend})
     _check_device(cfg.device)
-    if cfg.device == "cpu":  # tiny ops: intra-op threads only add OpenMP barrier waits
-        torch.set_num_threads(args.threads)
+    _pin_threads(args.threads, cfg.device)
     st = BenchSettings(warmup_rounds=args.warmup_rounds, timed_rounds=args.rounds,
                        repeats=args.repeats)
     report = run_bench(cfg, args.config or "embedded default", st, Path(args.out),
@@ -192,6 +240,23 @@ def _count(low: int):
 POSITIVE, NON_NEGATIVE = _count(1), _count(0)
 
 
+def _seed(text: str) -> int:
+    """An argparse type: a seed in [0, 2**63), what a torch generator takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got "
+                                         f"{show_value(text, 40)}")
+    return value
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=POSITIVE, default=1,
+                        help="torch intra-op threads on CPU (default 1: tiny widths)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn-graph", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -207,15 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench_out", help="directory for JSON, Markdown, PNGs")
     bench.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench.add_argument("--threads", type=POSITIVE, default=1,
-                       help="torch intra-op threads on CPU (default 1: tiny widths)")
+    _add_threads(bench)
     demo = sub.add_parser("demo", help="spec, plain and reference decoding side by side")
     demo.add_argument("--checkpoint", help="checkpoint dir (default: builtin:tiny-trained)")
     demo.add_argument("--max-new-tokens", type=POSITIVE, default=32)
+    _add_threads(demo)
     make = sub.add_parser("make-checkpoint", help="write a deterministic random checkpoint")
     make.add_argument("--preset", choices=[*sorted(PRESETS), TRAINED_PRESET], default="tiny")
     make.add_argument("--out", required=True)
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=_seed, default=0, help="in [0, 2**63)")
     make.add_argument("--shard-bytes", type=POSITIVE, default=None,
                       help="split into shards of at most this many bytes, with an index")
     gen = sub.add_parser("generate", help="greedy generation from a JSONL prompts file")
@@ -231,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                      help="graph backend for --mode spec (overrides the config's graph.backend)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _add_threads(gen)
     return parser
 
 

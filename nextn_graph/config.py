@@ -77,6 +77,11 @@ _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
 
 _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_KEY_HINT = " (YAML reads yes/no/on/off, null and bare numbers as values: quote the key)"
+# Eager runs of each phase before its capture: a handful settles lazy init and
+# allocator caches; the count is a loop over full forwards at start-up, so an absurd
+# value (1e8) would hang start-up instead of failing.
+MAX_WARMUP = 100
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -109,11 +114,16 @@ class _StrictLoader(yaml.SafeLoader):
                 raise self._refuse(key_node.start_mark, "YAML merge key '<<' is not allowed")
             key = self.construct_object(key_node, deep=True)
             try:
-                if key in seen:
-                    raise self._refuse(key_node.start_mark, f"duplicate key {show_value(key)}")
-                seen.add(key)
+                hash(key)
             except TypeError:  # an unhashable key: the base constructor refuses it below
-                pass
+                continue
+            if not isinstance(key, str):  # `yes:`, `on:`, `null:`, `1:` read as bool/None/int
+                text = show_value(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+                raise self._refuse(key_node.start_mark, f"key {text} reads as "
+                                   f"{show_value(key)}, not a string{_KEY_HINT}")
+            if key in seen:
+                raise self._refuse(key_node.start_mark, f"duplicate key {show_value(key)}")
+            seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -146,6 +156,10 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
         raise ConfigError(f"{where}: {what} must be a mapping, got {show_value(raw)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    not_str = [k for k in raw if not isinstance(k, str)]  # overrides bypass the YAML loader
+    if not_str:
+        where_key = f"under {prefix.rstrip('.')!r}" if prefix else "at top level"
+        raise ConfigError(f"{where}: key {show_value(not_str[0])} {where_key} is not a string")
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown key {show_value(prefix + unknown[0])} "
@@ -172,6 +186,17 @@ def _build(cls: type, raw: Any, where: str, prefix: str) -> Any:
     return cls(**values)
 
 
+def check_section(obj: Any, where: str, prefix: str) -> Any:
+    """A config dataclass built in code, checked as strictly as one read from YAML."""
+    raw = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    raw = {k: list(v) if isinstance(v, tuple) else v for k, v in raw.items()}
+    return _build(type(obj), raw, where, prefix)
+
+
+MAX_NUM_STEPS = 32  # each step is a NextN forward in the rollout graph; acceptance
+# decays geometrically with depth, so deeper chains only cost
+
+
 def resolve_speculative(spec: SpeculativeConfig, where: str) -> SpeculativeConfig:
     """Validate, resolve the NEXTN alias and correct ``num_draft_tokens`` for topk 1."""
     algo = str(spec.algorithm).upper()
@@ -182,9 +207,9 @@ def resolve_speculative(spec: SpeculativeConfig, where: str) -> SpeculativeConfi
     if spec.eagle_topk != 1:
         raise ConfigError(f"{where}: key 'speculative.eagle_topk' is {spec.eagle_topk}; only "
                           f"topk 1 (a linear draft chain) is supported")
-    if spec.num_steps < 1:
-        raise ConfigError(f"{where}: key 'speculative.num_steps' must be at least 1, "
-                          f"got {spec.num_steps}")
+    if not 1 <= spec.num_steps <= MAX_NUM_STEPS:
+        raise ConfigError(f"{where}: key 'speculative.num_steps' must lie in "
+                          f"[1, {MAX_NUM_STEPS}], got {spec.num_steps}")
     width = spec.num_steps + 1
     if spec.num_draft_tokens != width:
         log.warning("%s: speculative.num_draft_tokens %d is inconsistent with topk 1 and "
@@ -193,14 +218,19 @@ def resolve_speculative(spec: SpeculativeConfig, where: str) -> SpeculativeConfi
     return SpeculativeConfig(ALGORITHM_ALIASES[algo], spec.num_steps, 1, width)
 
 
-def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
-    pool = cfg.pool
+def check_pool(pool: PoolConfig, verify_width: int, where: str) -> None:
     if pool.max_requests < 1:
-        raise ConfigError(f"{where}: key 'pool.max_requests' must be at least 1")
-    spec = resolve_speculative(cfg.speculative, where)
-    if pool.max_context < spec.verify_width + 1:
+        raise ConfigError(f"{where}: key 'pool.max_requests' must be at least 1, "
+                          f"got {pool.max_requests}")
+    if pool.max_context < verify_width + 1:
         raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
                           f"than one verify window plus a prompt token")
+
+
+def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
+    pool = cfg.pool
+    spec = resolve_speculative(cfg.speculative, where)
+    check_pool(pool, spec.verify_width, where)
     graph = resolve_graph(cfg.graph, pool, where)
     needs = {"cuda": "cuda", "npu": "npu", "torchair": "npu", "cpu": "cpu"}.get(graph.backend)
     if needs is not None and cfg.device != needs:
@@ -233,8 +263,9 @@ def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:
     if unknown or len(set(graph.kinds)) != len(graph.kinds):
         raise ConfigError(f"{where}: key 'graph.kinds' must be distinct names from "
                           f"{GRAPH_KINDS}, got {show_value(list(graph.kinds))}")
-    if graph.warmup < 0:
-        raise ConfigError(f"{where}: key 'graph.warmup' must be >= 0, got {graph.warmup}")
+    if not 0 <= graph.warmup <= MAX_WARMUP:
+        raise ConfigError(f"{where}: key 'graph.warmup' must be in [0, {MAX_WARMUP}], "
+                          f"got {show_value(graph.warmup)}")
 
 
 def load_run_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:

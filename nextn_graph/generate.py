@@ -77,6 +77,18 @@ def _token_ids(values, cfg: ModelConfig, where: str, what: str) -> list[int]:
     return ids
 
 
+def validate_max_new_tokens(max_new_tokens: object, where: str) -> int:
+    """An int >= 1; numpy integers and 0-d integer tensors are converted (like token
+    ids), bools and floats are refused."""
+    value = _as_int(max_new_tokens)
+    if value is None:
+        raise InputError(f"{where}: max_new_tokens must be an int of at least 1, got "
+                         f"{_show(max_new_tokens)}")
+    if value < 1:
+        raise InputError(f"{where}: max_new_tokens must be at least 1, got {value}")
+    return value
+
+
 def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
                     max_new_tokens: int, where: str, lookahead: int = 0) -> list[int]:
     """Check one request up front; the error names it (``where``) and the bad value.
@@ -86,11 +98,7 @@ def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
     written past the output (speculative verify windows). The context is at most
     ``max_context`` and never past the model's ``max_position_embeddings``.
     """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
-        raise InputError(f"{where}: max_new_tokens must be an int of at least 1, got "
-                         f"{_show(max_new_tokens)}")
-    if max_new_tokens < 1:
-        raise InputError(f"{where}: max_new_tokens must be at least 1, got {max_new_tokens}")
+    max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
     values = _elements(prompt, where)
     if not values:
         raise InputError(f"{where}: empty prompt")
@@ -142,15 +150,16 @@ def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
         raise InputError(f"{mode}: max_context must be an int of at least 1, got "
                          f"{_show(max_context)}")
     prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
-    return prompts, validate_stop_ids(stop_ids, cfg, mode), max_context
+    max_new_tokens = validate_max_new_tokens(max_new_tokens, mode)
+    return prompts, validate_stop_ids(stop_ids, cfg, mode), max_context, max_new_tokens
 
 
 @torch.no_grad()
 def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, stop_ids: Collection[int] | None = None,
                        max_context: int | None = None) -> GenerateResult:
-    prompts, stop_ids, max_context = _prepare(target, prompts, max_new_tokens, stop_ids,
-                                              max_context, "reference_generate")
+    prompts, stop_ids, max_context, max_new_tokens = _prepare(
+        target, prompts, max_new_tokens, stop_ids, max_context, "reference_generate")
     device = target.embed.weight.device
     start, forwards, outputs = time.perf_counter(), 0, []
     for prompt in prompts:
@@ -168,8 +177,8 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
 def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, stop_ids: Collection[int] | None = None,
                    max_context: int | None = None) -> GenerateResult:
-    prompts, stop_ids, max_context = _prepare(target, prompts, max_new_tokens, stop_ids,
-                                              max_context, "plain_generate")
+    prompts, stop_ids, max_context, max_new_tokens = _prepare(
+        target, prompts, max_new_tokens, stop_ids, max_context, "plain_generate")
     if not prompts:  # nothing to decode: no pool of zero requests
         return GenerateResult([], _stats("plain", [], [], 0, time.perf_counter()))
     device = target.embed.weight.device

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from nextn_graph.bench import BenchSettings, run_bench
+from nextn_graph.bench.report import table
 from nextn_graph.bench.run import padding_waste
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
@@ -105,3 +106,42 @@ def test_bench_cli(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "graph/eager" in text and "spec/plain" in text
     assert json.loads((tmp_path / "r.json").read_text())["buckets"][0]["bucket"] == 1
+
+
+def test_eager_backend_report_is_honest(tmp_path):
+    """With --backend eager there are no graphs: no graph engines are run (a second eager
+    run gave a 1x 'submission ratio' and a graph/eager of noise), every graph figure is
+    null in the JSON, the table shows '-' in the graph columns and no padding waste (eager
+    never pads), and spec/plain is the eager speed-up."""
+    cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 128},
+                          graph={"backend": "eager", "buckets": [1, 2]})
+    rep = run_bench(cfg, "test", SMALL, tmp_path, progress=False)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["settings"]["graphs"] is False and data["settings"]["backend"] == "eager"
+    assert data["capture"] is None and data["padding"] is None
+    for b in data["buckets"]:
+        assert b["graph"] is None and b["plain"]["graph"] is None
+        assert b["submission_ratio"] is None and b["latency_ratio"] is None
+        assert b["eager"]["submissions_per_round"] > 0 and b["plain"]["eager"]["round_ms_median"] > 0
+        sp = b["spec_vs_plain"]
+        assert sp["speedup"] == sp["speedup_eager"] > 0
+        assert 1.0 <= sp["acceptance_length"] <= 4
+        assert b["nextn_forwards_per_round"] == 3
+    assert data["kv_pool_mb"]["target"] > data["kv_pool_mb"]["draft"] > 0
+    text = table(rep)
+    assert "padding waste" not in text and "% of real rows" not in text
+    assert "graph columns -: the eager backend has no graphs" in text
+    for line in text.splitlines()[2:4]:  # the two bucket rows
+        cells = line.split()
+        assert cells[3:6] == ["-", "-", "-"] and cells[7:9] == ["-", "-"], line
+    md = (tmp_path / "bench.md").read_text()
+    assert "padding waste" not in md.lower() and "None: the eager backend has no graphs" in md
+    for name in ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_graph_backend_report_keeps_graph_figures(report):
+    """The graph-backend report says it has graphs and prints its padding waste."""
+    rep, _, _ = report
+    assert rep["settings"]["graphs"] is True and rep["padding"]["waste"] >= 0
+    assert "padding waste over batch sizes 1..2" in table(rep)

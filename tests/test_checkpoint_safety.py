@@ -189,3 +189,72 @@ def test_nan_weights_refused(seed5, tmp_path, bad):
         load_checkpoint(root)
     assert "'layers.1.attn.compressor.ape'" in str(info.value)
     assert "mtp.0" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype, hint", [
+    (torch.float8_e4m3fn, True), (torch.float8_e5m2, True), (torch.float64, False),
+    (torch.int8, True), (torch.int64, False),
+])
+def test_unsupported_weight_dtype_refused(seed5, tmp_path, dtype, hint):
+    """A weight stored as FP8 (the released DeepSeek-V4's format, whose NaN check torch
+    does not implement) is refused before the finite check, naming the key and dtype and
+    saying FP8/FP4 is not supported yet; other non-bf16/fp16/fp32 dtypes are refused too."""
+    key = "layers.0.attn.wq_a.weight"
+
+    def cast(state):
+        state[key] = state[key].to(dtype)
+
+    root = _single_copy(seed5, tmp_path / "c", cast)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(root)
+    message = str(info.value)
+    assert message.startswith(f"{root}: tensor {key!r} has dtype {dtype}, expected bf16, "
+                              f"fp16 or fp32")
+    assert ("FP8/FP4 weights are not supported yet" in message) == hint
+
+
+def test_fp16_weights_load(seed5, tmp_path):
+    """fp16 is one of the accepted storage dtypes (converted on load)."""
+    key = "layers.0.attn.wq_a.weight"
+
+    def cast(state):
+        state[key] = state[key].to(torch.float16)
+
+    root = _single_copy(seed5, tmp_path / "c", cast)
+    got = _weights(root)[key]
+    assert torch.equal(got, _weights(seed5)[key].half().float())
+
+
+@pytest.mark.parametrize("dtype, error", [
+    (torch.bool, "has dtype torch.bool; expert ids need an integer dtype"),
+    (torch.float32, "has dtype torch.float32; expert ids need an integer dtype"),
+    (torch.uint8, None), (torch.int64, None),
+])
+def test_tid2eid_needs_integer_dtype(seed5, tmp_path, dtype, error):
+    """Hash-routing tables hold expert ids: a bool table (True read as expert 1) or a
+    float one is refused, naming the key; any integer dtype loads to the same ids."""
+    key = "layers.0.ffn.gate.tid2eid"
+
+    def cast(state):
+        state[key] = state[key].to(dtype)
+
+    root = _single_copy(seed5, tmp_path / "c", cast)
+    if error is None:
+        assert torch.equal(_weights(root)[key], _weights(seed5)[key])
+        return
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(root)
+    assert str(info.value) == f"{root}: tensor {key!r} {error}"
+
+
+def test_checkpoint_under_a_file_is_a_checkpoint_error(tmp_path):
+    """--out FILE/sub, where FILE is a regular file: a CheckpointError naming both paths,
+    not a FileExistsError from mkdir; the file is untouched and nothing is left behind."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for out in (afile / "sub", afile / "sub" / "deeper"):
+        with pytest.raises(CheckpointError) as info:
+            make_checkpoint("tiny", out, seed=0)
+        assert str(info.value) == f"{out}: cannot create it, {afile} is not a directory"
+    assert afile.read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nextn_graph.cli import main, make_checkpoint
+from nextn_graph.cli import build_parser, main, make_checkpoint
+from nextn_graph.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -94,7 +95,13 @@ MODES = ["spec", "plain", "reference"]
     ([{"input_ids": [5, 6]}, {"input_ids": []}], ["empty prompt"]),
     ([{"input_ids": [5, 999, 6]}], ["999", "outside the vocabulary"]),
     ([], ["no prompts"]),
-], ids=["malformed", "no_input_ids", "non_int_id", "empty", "out_of_vocab", "no_prompts"])
+    (['{"input_ids": [5, 6], "input_ids": [7, 8]}'], [":1:", "duplicate key 'input_ids'"]),
+    ([{"input_ids": [5, 6]}, {"input_ids": [5], "max_new_tokens": 9}],
+     [":2:", "unknown key 'max_new_tokens'"]),
+    ([{"input_ids": [5], "stop_ids": [3]}], [":1:", "unknown key 'stop_ids'"]),
+    ([{"input_ids": [5, 6]}, "[" * 100_000 + "]" * 100_000], [":2:", "nested too deeply"]),
+], ids=["malformed", "no_input_ids", "non_int_id", "empty", "out_of_vocab", "no_prompts",
+        "duplicate_key", "unknown_key", "stop_ids_key", "deep_nesting"])
 def test_generate_bad_prompts_file(ckpt, tmp_path, capsys, lines, needles, mode):
     """A bad prompts file exits 2 with one stderr line naming the problem, no traceback."""
     path = _jsonl(tmp_path / "p.jsonl", lines)
@@ -143,11 +150,76 @@ def test_make_checkpoint_command(tmp_path, capsys):
     assert torch.equal(again["embed.weight"], tensors["embed.weight"])
 
 
-def test_demo_plain_equals_reference(ckpt, capsys):
-    """The demo prints 'plain == reference token for token: True' and returns 0."""
+@pytest.mark.parametrize("value", ["-1", str(2**63), "99999999999999999999999", "x"])
+def test_make_checkpoint_seed_out_of_range_refused(tmp_path, capsys, value):
+    """--seed outside [0, 2**63) (what a torch generator takes) is refused by argparse
+    before any work, not a ValueError overflow from inside torch."""
+    with pytest.raises(SystemExit) as exc:
+        main(["make-checkpoint", "--out", str(tmp_path / "c"), "--seed", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --seed: expected an integer in [0, 2**63), got {value!r}" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, True, 1.0])
+def test_make_checkpoint_api_refuses_bad_seed(tmp_path, seed):
+    with pytest.raises(InputError, match=r"seed must be an integer in \[0, 2\*\*63\), got "):
+        make_checkpoint("tiny", tmp_path / "c", seed=seed)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_checkpoint_largest_seed_parses():
+    args = build_parser().parse_args(["make-checkpoint", "--out", "c", "--seed", str(2**63 - 1)])
+    assert args.seed == 2**63 - 1
+
+
+def test_make_checkpoint_under_a_file_is_one_line(tmp_path, capsys):
+    """--out AFILE/sub with AFILE a regular file: exit 2, one line naming both paths."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "sub"
+    _bad(["make-checkpoint", "--out", str(out)], capsys,
+         f"{out}: cannot create it, {tmp_path / 'afile'} is not a directory")
+
+
+@pytest.fixture
+def restore_threads():
+    old = torch.get_num_threads()
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("extra, want", [([], 1), (["--threads", "3"], 3)])
+def test_generate_pins_torch_threads(ckpt, tmp_path, capsys, restore_threads, extra, want):
+    """generate sets torch's intra-op threads before any work, like bench: default 1
+    (on a shared 2-core box the default thread count made a tiny run 35x slower)."""
+    path = _jsonl(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7]}])
+    torch.set_num_threads(2)
+    assert main(_generate(ckpt, path, "--max-new-tokens", "2", "--mode", "plain", *extra)) == 0
+    capsys.readouterr()
+    assert torch.get_num_threads() == want
+
+
+@pytest.mark.parametrize("command", [["bench"], ["demo"],
+                                     ["generate", "--prompts", "p", "--max-new-tokens", "1"]])
+def test_threads_option_shared_by_subcommands(capsys, command):
+    """bench, demo and generate all take --threads (default 1) and refuse 0 in argparse."""
+    assert build_parser().parse_args(command).threads == 1
+    assert build_parser().parse_args([*command, "--threads", "4"]).threads == 4
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--threads", "0"])
+    assert exc.value.code == 2
+    assert "argument --threads: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_demo_plain_equals_reference(ckpt, capsys, restore_threads):
+    """The demo prints 'plain == reference token for token: True' and returns 0, with
+    torch pinned to its --threads default of 1 whatever it was before."""
+    torch.set_num_threads(2)
     rc = main(["demo", "--checkpoint", str(ckpt), "--max-new-tokens", "6"])
     out = capsys.readouterr().out
     assert rc == 0
+    assert torch.get_num_threads() == 1
     assert "plain == reference token for token: True" in out
     assert f"checkpoint: {ckpt}" in out
     modes = [line.split()[0] for line in out.splitlines() if line.split()]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from nextn_graph.config import PoolConfig, SpeculativeConfig
-from nextn_graph.errors import InputError
+from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
+from nextn_graph.errors import ConfigError, InputError
 from nextn_graph.generate import reference_generate
 from nextn_graph.runtime.engine import SpecEngine
 
@@ -88,3 +90,33 @@ def test_generate_names_the_bad_stop_ids_without_queuing(trained):
     with pytest.raises(InputError, match=r"^generate: stop token id NoneType None"):
         eng.generate([[5, 6, 7], [8, 9]], 3, stop_ids=[1, None])
     assert not eng.has_work
+
+
+@pytest.mark.parametrize("spec,pool,graph,match", [
+    (SpeculativeConfig(eagle_topk=4), None, None, "eagle_topk' is 4"),
+    (SpeculativeConfig(algorithm="DSpark"), None, None, "algorithm' is 'DSpark'"),
+    (SpeculativeConfig(num_steps="3"), None, None, "num_steps' must be an integer"),
+    (SpeculativeConfig(num_steps=-2), None, None, r"num_steps' must lie in \[1, 32\], got -2"),
+    (SpeculativeConfig(num_steps=400), None, None, "got 400"),
+    (None, PoolConfig(0, 96), None, "max_requests' must be at least 1, got 0"),
+    (None, PoolConfig(2, True), None, "max_context' must be an integer"),
+    (None, None, GraphConfig(backend="cpu", buckets=(1.0, 2.0)), "buckets' must be a list of int"),
+    (None, None, GraphConfig(backend="gpu"), "backend' must be one of"),
+])
+def test_configs_built_in_code_are_checked_like_yaml(tiny, spec, pool, graph, match):
+    """SpecEngine(...) refuses what the YAML loader refuses, before allocating anything."""
+    spec = spec or SpeculativeConfig(num_steps=3, num_draft_tokens=4)
+    with pytest.raises(ConfigError, match=match):
+        SpecEngine(tiny.target, tiny.draft, spec, pool or PoolConfig(2, 96), graph)
+
+
+def test_numpy_and_tensor_max_new_tokens_are_plain_ints(trained):
+    eng = engine(trained)
+    rids = [eng.add_request([5, 6, 7], n, stop_ids=[])
+            for n in (np.int64(4), torch.tensor(4), 4)]
+    assert [type(r.max_new_tokens) for r in eng._waiting] == [int, int, int]
+    outs = {r: [] for r in rids}
+    while eng.has_work:
+        for o in eng.step():
+            outs[o.rid].extend(o.new_tokens)
+    assert outs[rids[0]] == outs[rids[1]] == outs[rids[2]] and len(outs[rids[2]]) == 4

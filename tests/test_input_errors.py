@@ -6,6 +6,7 @@ inside torch, and never a silent acceptance (``True`` as token 1, a float tensor
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -14,7 +15,9 @@ import torch
 
 from nextn_graph.checkpoint import build_models, resolve_checkpoint
 from nextn_graph.errors import ConfigError, InputError
-from nextn_graph.generate import reference_generate, validate_prompt, validate_stop_ids
+from nextn_graph.generate import (plain_generate, reference_generate,
+                                  validate_max_new_tokens, validate_prompt,
+                                  validate_stop_ids)
 from nextn_graph.model.config import (config_from_dict, load_config, model_bytes,
                                       physical_memory_bytes)
 from nextn_graph.presets import TINY
@@ -70,6 +73,73 @@ def test_negative_rope_dim_refused():
 def test_out_of_range_config_value_refused(key, value, needles):
     """Every integer and float key has a range; the error names the key and value."""
     _refused(needles, **{key: value})
+
+
+@pytest.mark.parametrize("ratios, needle", [
+    ([False, 4, 128, 4, False], "must be a list of ints, got [False, 4, 128, 4, False]"),
+    ([0, 4, True, 4, 0], "must be a list of ints, got [0, 4, True, 4, 0]"),
+    ([0, 4, 128, 4, 4], "entry 4 (the NextN layer) is 4; the NextN layer is sliding-window "
+                        "only, ratio 0"),
+    ([0, 4, 128, 4, 128], "entry 4 (the NextN layer) is 128"),
+])
+def test_bad_compress_ratios_refused(ratios, needle):
+    """``false`` is not ratio 0 (bool is an int in Python), and the NextN entry is the
+    draft layer's, which is always sliding-window only: anything but 0 is refused, not
+    ignored."""
+    _refused([f"'compress_ratios' {needle}"], compress_ratios=ratios)
+    assert _config(compress_ratios=[0, 4, 128, 4]).compress_ratios == (0, 4, 128, 4)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("vocab_size", True), ("hc_sinkhorn_iters", False), ("rope_theta", True),
+])
+def test_bool_config_values_refused(key, value):
+    """true/false never pass as 1/0 for a numeric key."""
+    _refused([f"'{key}' must be", f"got {value}"], **{key: value})
+
+
+@pytest.mark.parametrize("key, high", [("hc_sinkhorn_iters", 1000), ("num_hidden_layers", 1024),
+                                       ("n_routed_experts", 4096)])
+def test_absurd_loop_counts_refused(key, high):
+    """Loop counts of every forward (hc_sinkhorn_iters 1e9 hung the first one) have an
+    upper bound far above any released model, checked before anything is built."""
+    for value in (high + 1, 10**9):
+        _refused([f"'{key}' must be at most {high}, got {value}"], **{key: value})
+    assert _config(hc_sinkhorn_iters=1000).hc_sinkhorn_iters == 1000
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("rope_theta", 10**400, "'rope_theta' is out of the float range, got 1000"),
+    ("hidden_size", 10**400, "'hidden_size' must fit in 64 bits, got 1000"),
+    ("max_position_embeddings", 2**63, "'max_position_embeddings' must fit in 64 bits"),
+    ("rope_scaling", {**TINY["rope_scaling"], "factor": 10**400},
+     "'rope_scaling.factor' is out of the float range"),
+])
+def test_huge_integers_refused_without_overflow(key, value, needle):
+    """An integer past the float range (or 64 bits) is a named error, cut short, not an
+    OverflowError from float() or from the size estimate."""
+    assert len(_refused([needle, "..."] if value != 2**63 else [needle], **{key: value})) < 300
+
+
+def _config_file(tmp_path, data: bytes):
+    (tmp_path / "config.json").write_bytes(data)
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'config.json'}: ") and len(message) < 400
+    return message
+
+
+def test_unreadable_config_json_is_a_config_error(tmp_path):
+    """Bytes that are not UTF-8, absurd nesting, an integer literal too long to parse
+    and a huge integer for a float key: each a ConfigError naming config.json."""
+    assert "not UTF-8 text (byte 0xff at byte offset 0)" in _config_file(tmp_path, b"\xff\xfe{}")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert "invalid JSON (nested too deeply)" in _config_file(tmp_path, deep)
+    assert "invalid JSON" in _config_file(tmp_path, b'{"vocab_size": ' + b"1" * 5000 + b"}")
+    huge = json.dumps({**TINY, "rope_theta": 0}).replace('"rope_theta": 0',
+                                                         '"rope_theta": 1' + "0" * 400)
+    assert "'rope_theta' is out of the float range" in _config_file(tmp_path, huge.encode())
 
 
 @pytest.mark.parametrize("changes, needles", [
@@ -205,12 +275,33 @@ def test_non_integer_token_ids_refused(prompt, needle):
     (2.0, "must be an int of at least 1, got float 2.0"),
     (None, "must be an int of at least 1, got NoneType None"),
     (0, "must be at least 1, got 0"),
+    (np.bool_(True), "must be an int of at least 1, got bool np.True_"),
+    (np.float64(8), "must be an int of at least 1, got float64 np.float64(8.0)"),
+    (torch.tensor(True), "must be an int of at least 1, got Tensor tensor(True)"),
+    (torch.tensor(8.0), "must be an int of at least 1, got Tensor tensor(8.)"),
+    (torch.tensor([8]), "must be an int of at least 1, got Tensor tensor([8])"),
+    (np.int64(0), "must be at least 1, got 0"),
 ])
 def test_bool_max_new_tokens_refused(value, needle):
     """max_new_tokens=True was accepted as 1; it must be an int >= 1."""
     with pytest.raises(InputError) as info:
         _check([5, 6], max_new_tokens=value)
     assert str(info.value) == f"request 3: max_new_tokens {needle}"
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.uint8(3), torch.tensor(3),
+                                   torch.tensor(3, dtype=torch.int32)])
+def test_numpy_and_tensor_max_new_tokens_accepted(tiny, value):
+    """max_new_tokens takes the integer scalars a prompt's ids may be (numpy integers,
+    0-d integer tensors) as the int they hold, and decodes exactly as with that int."""
+    assert validate_max_new_tokens(value, "request 0") == 3
+    assert type(validate_max_new_tokens(value, "request 0")) is int
+    assert _check([5, 6], max_new_tokens=value) == [5, 6]
+    ids = tiny.tokens(5, seed=4).tolist()
+    want = reference_generate(tiny.target, [ids], 3, stop_ids=[]).outputs
+    assert reference_generate(tiny.target, [ids], value, stop_ids=[]).outputs == want
+    assert plain_generate(tiny.target, [ids], value, stop_ids=[]).outputs == want
+    assert len(want[0]) == 3
 
 
 # -- stop ids ----------------------------------------------------------------------------

@@ -99,10 +99,10 @@ def test_topk_other_than_1_is_refused(tmp_path):
         load_run_config(spec_file(tmp_path, eagle_topk=2))
 
 
-@pytest.mark.parametrize("steps", [0, -1])
-def test_num_steps_below_1_is_refused(tmp_path, steps):
-    """num_steps must be at least 1."""
-    with pytest.raises(ConfigError, match="speculative.num_steps.*at least 1"):
+@pytest.mark.parametrize("steps", [0, -1, 33])
+def test_num_steps_outside_1_to_32_is_refused(tmp_path, steps):
+    """num_steps must lie in [1, 32]: 0 drafts nothing, a deeper chain only costs."""
+    with pytest.raises(ConfigError, match=rf"speculative.num_steps.*\[1, 32\], got {steps}"):
         load_run_config(spec_file(tmp_path, num_steps=steps, num_draft_tokens=steps + 1))
 
 

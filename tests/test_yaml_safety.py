@@ -109,3 +109,41 @@ def test_plain_configs_still_load(tmp_path):
     assert (cfg.dtype, cfg.pool.max_requests, cfg.speculative.num_steps) == ("bf16", 4, 2)
     assert cfg.graph.buckets == (1, 4)
     assert load_run_config(_write(tmp_path, "")).dtype == "fp32"
+
+
+@pytest.mark.parametrize("text, line, key, read_as", [
+    ("yes: 1\n", 1, "'yes'", "True"),
+    ("dtype: fp32\n1: 2\n", 2, "'1'", "1"),
+    ("null: 3\n", 1, "'null'", "None"),
+    ("on: 4\n", 1, "'on'", "True"),
+    ("pool:\n  max_requests: 4\n  null: 3\n", 3, "'null'", "None"),
+    ("pool:\n  on: 3\n", 2, "'on'", "True"),
+    ("graph: {1: eager}\n", 1, "'1'", "1"),
+])
+def test_non_string_yaml_keys_refused(tmp_path, text, line, key, read_as):
+    """`yes:`, `on:`, `null:` and `1:` are booleans, None and ints to YAML: refused as
+    keys naming the file, line and the key as written, not a TypeError from sorting them."""
+    path = _write(tmp_path, text)
+    msg = _refused(path, f"{path}:{line}: key {key} reads as {read_as}, not a string",
+                   "quote the key")
+    assert len(msg) < 300
+
+
+@pytest.mark.parametrize("section, key", [("pool", 1), ("graph", None), ("speculative", True)])
+def test_non_string_override_keys_refused(section, key):
+    """Overrides bypass the YAML loader; a non-string key there is named too."""
+    with pytest.raises(ConfigError) as info:
+        load_run_config(None, **{section: {key: 2}})
+    assert f"key {key!r} under '{section}' is not a string" in str(info.value)
+
+
+@pytest.mark.parametrize("warmup, ok", [(0, True), (100, True), (101, False),
+                                        (100_000_000, False)])
+def test_absurd_graph_warmup_refused(tmp_path, warmup, ok):
+    """graph.warmup is a loop of full eager forwards before each capture: 1e8 would hang
+    start-up, so it is bounded (100) and the error names the key, bound and value."""
+    path = _write(tmp_path, f"graph: {{warmup: {warmup}}}\n")
+    if ok:
+        assert load_run_config(path).graph.warmup == warmup
+    else:
+        _refused(path, "'graph.warmup' must be in [0, 100]", f"got {warmup}")

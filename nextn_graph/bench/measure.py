@@ -42,21 +42,38 @@ class BenchSettings:
 
 @dataclass
 class Engines:
+    """The engines a bench measures, by mode name. With the eager backend there are no
+    graphs to compare, so only the two eager engines exist (a "graph" engine would be a
+    second eager run whose ratios are noise)."""
     eager_spec: SpecEngine
-    graph_spec: SpecEngine
     eager_plain: SpecEngine
-    graph_plain: SpecEngine
+    graph_spec: SpecEngine | None
+    graph_plain: SpecEngine | None
+
+    @property
+    def has_graphs(self) -> bool:
+        return self.graph_spec is not None
+
+    @property
+    def spec(self) -> SpecEngine:
+        """The speculative engine on the config's backend: what the headline figures use."""
+        return self.graph_spec if self.graph_spec is not None else self.eager_spec
+
+    def by_name(self) -> dict[str, SpecEngine]:
+        return {name: e for name, e in vars(self).items() if e is not None}
 
 
 def build_engines(models, cfg: RunConfig, progress: bool) -> Engines:
     eager = replace(cfg.graph, backend="eager")
+
+    def engine(spec, graph, **kwargs) -> SpecEngine:
+        return SpecEngine(models.target, models.draft, spec, cfg.pool, graph, **kwargs)
+
+    graphs = cfg.graph.backend != "eager"
     return Engines(
-        eager_spec=SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, eager),
-        graph_spec=SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
-                              progress=progress),
-        eager_plain=SpecEngine(models.target, models.draft, None, cfg.pool, eager),
-        graph_plain=SpecEngine(models.target, models.draft, None, cfg.pool, cfg.graph,
-                               progress=progress))
+        eager_spec=engine(cfg.speculative, eager), eager_plain=engine(None, eager),
+        graph_spec=engine(cfg.speculative, cfg.graph, progress=progress) if graphs else None,
+        graph_plain=engine(None, cfg.graph, progress=progress) if graphs else None)
 
 
 @contextmanager
@@ -151,30 +168,38 @@ def _summary(runs: list[dict], graph: bool) -> dict:
 
 def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
                  tick=lambda: None) -> dict:
-    runs: dict[str, list[dict]] = {name: [] for name in vars(engines)}
+    """One bucket. Without graphs (the eager backend) every graph figure is None."""
+    modes = engines.by_name()
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
     for _ in range(st.repeats):  # interleaved, so drift hits every mode alike
-        for name, engine in vars(engines).items():
+        for name, engine in modes.items():
             with torch.no_grad():
                 runs[name].append(measure(engine, prompts, st))
             tick()
-    spec = runs["graph_spec"]
+    graphs = engines.has_graphs
+    spec = runs["graph_spec" if graphs else "eager_spec"]
     request_rounds = sum(r["request_rounds"] for r in spec)
     accepted = sum(r["accepted"] for r in spec)
-    eager, graph = _summary(runs["eager_spec"], False), _summary(spec, True)
-    plain_eager, plain_graph = _summary(runs["eager_plain"], False), _summary(runs["graph_plain"], True)
-    s = engines.graph_spec.num_steps
+    eager, plain_eager = _summary(runs["eager_spec"], False), _summary(runs["eager_plain"], False)
+    graph = _summary(spec, True) if graphs else None
+    plain_graph = _summary(runs["graph_plain"], True) if graphs else None
+    speedup_eager = eager["tokens_per_s"] / plain_eager["tokens_per_s"]
+    s = engines.spec.num_steps
     return {
         "bucket": len(prompts), "num_steps": s, "verify_width": s + 1,
         "nextn_forwards_per_round": spec[-1]["nextn_forwards"] / spec[-1]["rounds"],
         "eager": eager, "graph": graph,
-        "submission_ratio": eager["submissions_per_round"] / graph["submissions_per_round"],
-        "latency_ratio": graph["round_ms_median"] / eager["round_ms_median"],
+        "submission_ratio": (eager["submissions_per_round"] / graph["submissions_per_round"]
+                             if graphs else None),
+        "latency_ratio": graph["round_ms_median"] / eager["round_ms_median"] if graphs else None,
         "plain": {"eager": plain_eager, "graph": plain_graph},
         "spec_vs_plain": {
             "acceptance_length": (accepted + request_rounds) / request_rounds,
             "draft_acceptance_rate": accepted / max(sum(r["proposed"] for r in spec), 1),
-            "speedup": graph["tokens_per_s"] / plain_graph["tokens_per_s"],
-            "speedup_eager": eager["tokens_per_s"] / plain_eager["tokens_per_s"],
+            # on the config's backend: graphs, or eager when that is the backend
+            "speedup": (graph["tokens_per_s"] / plain_graph["tokens_per_s"] if graphs
+                        else speedup_eager),
+            "speedup_eager": speedup_eager,
         },
     }
 

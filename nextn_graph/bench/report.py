@@ -23,26 +23,38 @@ HEADER = ("bucket", "NextN fwd", "eager subm", "graph subm", "replays", "subm ra
           "eager ms", "graph ms", "graph/eager", "acc len", "spec/plain")
 
 
+NO_GRAPH = "-"  # a graph column of the eager backend, which has no graphs
+EAGER_NOTE = "the eager backend has no graphs (nothing captured, no padding)"
+
+
 def _rows(report: dict) -> list[tuple[str, ...]]:
     rows = []
     for r in report["buckets"]:
-        sp = r["spec_vs_plain"]
+        sp, g = r["spec_vs_plain"], r["graph"]
+        graph_cells = (
+            (str(g["submissions_per_round"]), str(g["replays_per_round"]),
+             f"{r['submission_ratio']:.0f}x") if g else (NO_GRAPH,) * 3)
         rows.append((str(r["bucket"]), f"{r['nextn_forwards_per_round']:.0f}",
-                     str(r["eager"]["submissions_per_round"]),
-                     str(r["graph"]["submissions_per_round"]),
-                     str(r["graph"]["replays_per_round"]), f"{r['submission_ratio']:.0f}x",
+                     str(r["eager"]["submissions_per_round"]), *graph_cells,
                      f"{r['eager']['round_ms_median']:.2f}",
-                     f"{r['graph']['round_ms_median']:.2f}", f"{r['latency_ratio']:.2f}",
+                     f"{g['round_ms_median']:.2f}" if g else NO_GRAPH,
+                     f"{r['latency_ratio']:.2f}" if g else NO_GRAPH,
                      f"{sp['acceptance_length']:.2f}", f"{sp['speedup']:.2f}x"))
     return rows
 
 
-def _summary_lines(report: dict) -> list[str]:
-    cap, sv, s = report["capture"], report["spec_vs_plain"], report["settings"]
-    return [f"capture: {len(cap['records'])} graphs in {cap['total_s']:.2f} s, "
+def _capture_line(report: dict) -> str:
+    cap, pad = report["capture"], report["padding"]
+    if cap is None:
+        return f"graph columns {NO_GRAPH}: {EAGER_NOTE}"
+    return (f"capture: {len(cap['records'])} graphs in {cap['total_s']:.2f} s, "
             f"{cap['total_mb']:.1f} MiB; padding waste over batch sizes 1.."
-            f"{len(report['padding']['per_batch_size'])}: "
-            f"{100 * report['padding']['waste']:.0f}% of real rows",
+            f"{len(pad['per_batch_size'])}: {100 * pad['waste']:.0f}% of real rows")
+
+
+def _summary_lines(report: dict) -> list[str]:
+    sv, s = report["spec_vs_plain"], report["settings"]
+    return [_capture_line(report),
             f"speculative vs plain on {s['backend']}: {sv['speedup']:.2f}x at acceptance "
             f"length {sv['acceptance_length']:.2f} (strict draft acceptance "
             f"{sv['draft_acceptance_rate']:.2f})"]
@@ -61,11 +73,9 @@ def table(report: dict) -> str:
 def markdown(report: dict) -> str:
     rows = [HEADER, ("---",) * len(HEADER), *_rows(report)]
     body = "\n".join("| " + " | ".join(r) + " |" for r in rows)
-    caps = "\n".join(
-        f"| {c['kind']} | {c['bucket']} | {c['seconds'] * 1000:.1f} | "
-        f"{c['nbytes'] / 2**20:.2f} | {c['ops']} |" for c in report["capture"]["records"])
-    noise = ", ".join(f"B={r['bucket']}: eager {100 * r['eager']['noise']:.0f}% / graph "
-                      f"{100 * r['graph']['noise']:.0f}%" for r in report["buckets"])
+    noise = ", ".join(f"B={r['bucket']}: eager {100 * r['eager']['noise']:.0f}%"
+                      + (f" / graph {100 * r['graph']['noise']:.0f}%" if r["graph"] else "")
+                      for r in report["buckets"])
     s = report["settings"]
     return f"""# nextn_graph replay benchmark
 
@@ -80,18 +90,29 @@ updates in graph mode.
 
 Spread of the repeat medians (max - min over median): {noise}.
 
-## Capture
+{_capture_section(report)}
+
+![round latency](round_latency.png) ![submissions](submissions.png)
+![speed-up vs acceptance](speedup_vs_acceptance.png)
+"""
+
+
+def _capture_section(report: dict) -> str:
+    cap = report["capture"]
+    if cap is None:
+        return f"## Capture\n\nNone: {EAGER_NOTE}."
+    caps = "\n".join(
+        f"| {c['kind']} | {c['bucket']} | {c['seconds'] * 1000:.1f} | "
+        f"{c['nbytes'] / 2**20:.2f} | {c['ops']} |" for c in cap["records"])
+    pad = report["padding"]
+    return f"""## Capture
 
 | kind | bucket | ms | MiB | ops |
 |---|---|---|---|---|
 {caps}
 
-Total {report['capture']['total_s']:.2f} s. Padding waste over batch sizes 1..{len(report['padding']['per_batch_size'])}:
-{100 * report['padding']['waste']:.0f}% of real rows.
-
-![round latency](round_latency.png) ![submissions](submissions.png)
-![speed-up vs acceptance](speedup_vs_acceptance.png)
-"""
+Total {cap['total_s']:.2f} s. Padding waste over batch sizes 1..{len(pad['per_batch_size'])}:
+{100 * pad['waste']:.0f}% of real rows."""
 
 
 def _png(fig) -> bytes:
@@ -106,13 +127,17 @@ def plots(report: dict) -> dict[str, bytes]:
     """The three PNG plots, by file name (``PLOTS``), rendered in memory."""
     buckets = [r["bucket"] for r in report["buckets"]]
     x = range(len(buckets))
+    graphs = report["settings"]["graphs"]
+    modes = ("eager", "graph") if graphs else ("eager",)  # eager: no graph bars to show
+    versus = "eager vs graph" if graphs else "eager (no graphs)"
 
     def bars(key: str, ylabel: str, title: str, log: bool) -> bytes:
         fig, ax = plt.subplots(figsize=(6, 4))
         w, top = 0.38, 0.0
-        for i, mode in enumerate(("eager", "graph")):
+        for i, mode in enumerate(modes):
             vals = [r[mode][key] for r in report["buckets"]]
-            ax.bar([v + (i - 0.5) * w for v in x], vals, w, label=mode)
+            offset = (i - (len(modes) - 1) / 2) * w
+            ax.bar([v + offset for v in x], vals, w, label=mode)
             top = max(top, *vals)
         ax.set_xticks(list(x), [str(b) for b in buckets])
         ax.set_xlabel("bucket (requests per round)")
@@ -125,9 +150,9 @@ def plots(report: dict) -> dict[str, bytes]:
         return _png(fig)
 
     latency = bars("round_ms_median", "host round latency, median (ms)",
-                   "Round latency: eager vs graph", log=False)
+                   f"Round latency: {versus}", log=False)
     submissions = bars("submissions_per_round", "submissions per round (log)",
-                       "Device submissions per round: eager vs graph", log=True)
+                       f"Device submissions per round: {versus}", log=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     acc = [r["spec_vs_plain"]["acceptance_length"] for r in report["buckets"]]
     sp = [r["spec_vs_plain"]["speedup"] for r in report["buckets"]]

@@ -14,7 +14,7 @@ from ..checkpoint import load_checkpoint
 from ..config import RunConfig
 from ..graph.runner import plan_chunks
 from ..progress import progress_bar
-from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
+from .measure import BenchSettings, Engines, bench_bucket, bench_prompts, build_engines
 from .report import check_outputs, write_outputs
 
 
@@ -30,6 +30,14 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
             "waste": sum(r["padded_rows"] for r in rows) / real}
 
 
+def _capture(engines: Engines) -> dict:
+    records = [asdict(r) for r in engines.graph_spec.runner.records]
+    return {"records": records,
+            "plain_records": [asdict(r) for r in engines.graph_plain.runner.records],
+            "total_s": sum(r["seconds"] for r in records),
+            "total_mb": sum(r["nbytes"] for r in records) / 2**20}
+
+
 def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
               json_path: Path | None = None, progress: bool = True) -> dict:
     check_outputs(out_dir, json_path)  # a bad path fails now, not after the measurement
@@ -38,7 +46,7 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
     engines = build_engines(models, cfg, progress)
     buckets = cfg.graph.buckets
     prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)
-    results, done, total = [], 0, len(buckets) * st.repeats * 4
+    results, done, total = [], 0, len(buckets) * st.repeats * len(engines.by_name())
 
     def tick() -> None:
         nonlocal done
@@ -48,8 +56,6 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
 
     for b in buckets:
         results.append(bench_bucket(engines, prompts[:b], st, tick))
-    records = [asdict(r) for r in engines.graph_spec.runner.records]
-    plain_records = [asdict(r) for r in engines.graph_plain.runner.records]
     speedups = [r["spec_vs_plain"]["speedup"] for r in results]
     report = {
         "settings": {
@@ -57,15 +63,12 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
             "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.platform(), "processor": platform.machine(),
             "threads": torch.get_num_threads(), "bench": asdict(st),
+            "graphs": engines.has_graphs,  # False for the eager backend: graph figures null
         },
-        "capture": {
-            "records": records, "plain_records": plain_records,
-            "total_s": sum(r["seconds"] for r in records),
-            "total_mb": sum(r["nbytes"] for r in records) / 2**20,
-        },
+        "capture": _capture(engines) if engines.has_graphs else None,
         "kv_pool_mb": {  # the speculative engine's pools: what a deployment sizes
-            "target": engines.graph_spec.models.target_pool.nbytes() / 2**20,
-            "draft": engines.graph_spec.models.draft_pool.nbytes() / 2**20,
+            "target": engines.spec.models.target_pool.nbytes() / 2**20,
+            "draft": engines.spec.models.draft_pool.nbytes() / 2**20,
         },
         "buckets": results,
         "spec_vs_plain": {
@@ -76,7 +79,8 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
                 r["spec_vs_plain"]["draft_acceptance_rate"] for r in results),
             "per_bucket": {r["bucket"]: r["spec_vs_plain"] for r in results},
         },
-        "padding": padding_waste(buckets, cfg.pool.max_requests),
+        # eager runs each batch at its real size: nothing is padded
+        "padding": padding_waste(buckets, cfg.pool.max_requests) if engines.has_graphs else None,
         "wall_s": time.perf_counter() - start,
     }
     write_outputs(report, out_dir, json_path)

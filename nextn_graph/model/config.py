@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, show_value
 
+INT64_LIMIT = 2**63  # every integer key is a tensor size, index or count
 # Compress ratios a layer may use: 0 = sliding window only, 4 = C4 (overlapped,
 # lightning-indexer top-k), 128 = C128 (all finished blocks).
 SUPPORTED_RATIOS = (0, 4, 128)
@@ -98,11 +99,22 @@ _IGNORED = {  # HF keys that carry no structure for this library
 }
 
 
+def _is_int(value: Any) -> bool:
+    """A JSON integer: ``true``/``false`` are not 1/0 (bool is an int in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_type(where: str, key: str, value: Any, kind: type) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if kind is float and _is_int(value):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past the float range (1 followed by 400 zeros)
+            raise ConfigError(f"{where}: key {key!r} is out of the float range, got "
+                              f"{show_value(value)}") from None
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"{where}: key {key!r} must be {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: key {key!r} must be {kind.__name__}, got {show_value(value)}")
+    if kind is int and not -INT64_LIMIT < value < INT64_LIMIT:  # sizes become int64 shapes
+        raise ConfigError(f"{where}: key {key!r} must fit in 64 bits, got {show_value(value)}")
     return value
 
 
@@ -119,8 +131,9 @@ def config_from_dict(raw: dict[str, Any], where: str = "config.json") -> ModelCo
             raise ConfigError(f"{where}: required key {name!r} is missing")
         value = raw[name]
         if name == "compress_ratios":
-            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-                raise ConfigError(f"{where}: key 'compress_ratios' must be a list of ints")
+            if not isinstance(value, list) or not all(_is_int(v) for v in value):
+                raise ConfigError(f"{where}: key 'compress_ratios' must be a list of ints, "
+                                  f"got {show_value(value)}")
             value = tuple(value)
         elif name == "architectures":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -162,6 +175,12 @@ def _yarn(where: str, value: Any) -> YarnScaling:
                           for key, kind in kinds.items()})
 
 
+# Upper bounds of keys that are Python loop counts in every forward (the Sinkhorn
+# iterations of each mHC mix, the decoder layers, the routed experts) or at build
+# time: far above any released model (DeepSeek-V4: 20 iterations, 61 layers, 384
+# experts), but a value like 1e9 would hang the first forward instead of failing.
+_LOOP_BOUNDS = (("hc_sinkhorn_iters", 1000), ("num_hidden_layers", 1024),
+                ("n_routed_experts", 4096))
 # Integer keys that must be >= 1 (a width, a count, a rank) and keys that may be 0.
 _POSITIVE_INTS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
@@ -188,6 +207,9 @@ def _validate(cfg: ModelConfig, where: str) -> None:
     for key in _NON_NEGATIVE_INTS:
         if getattr(cfg, key) < 0:
             raise bad(key, f"must be at least 0, got {getattr(cfg, key)}")
+    for key, high in _LOOP_BOUNDS:
+        if getattr(cfg, key) > high:
+            raise bad(key, f"must be at most {high}, got {show_value(getattr(cfg, key))}")
     for key, low, inclusive in _FLOAT_RANGES:
         value = getattr(cfg, key)
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
@@ -201,7 +223,11 @@ def _validate(cfg: ModelConfig, where: str) -> None:
         raise bad("compress_ratios", f"has {len(cfg.compress_ratios)} entries for {n} layers")
     for i, r in enumerate(cfg.compress_ratios):
         if r not in SUPPORTED_RATIOS:
-            raise bad("compress_ratios", f"entry {i} is {r}; supported ratios are {SUPPORTED_RATIOS}")
+            raise bad("compress_ratios", f"entry {i} is {show_value(r)}; supported ratios "
+                      f"are {SUPPORTED_RATIOS}")
+    if len(cfg.compress_ratios) > n and cfg.compress_ratios[n] != NEXTN_COMPRESS_RATIO:
+        raise bad("compress_ratios", f"entry {n} (the NextN layer) is {cfg.compress_ratios[n]}; "
+                  f"the NextN layer is sliding-window only, ratio {NEXTN_COMPRESS_RATIO}")
     # RoPE rotates interleaved pairs of the last qk_rope_head_dim dims of the attention
     # head and of the indexer head.
     if cfg.qk_rope_head_dim % 2 or not 2 <= cfg.qk_rope_head_dim <= cfg.head_dim:
@@ -315,7 +341,20 @@ def load_config(path: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:
-        raw = json.loads(path.read_text())
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at byte "
+                          f"offset {exc.start})") from None
+    try:
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+        raise ConfigError(f"{path}: invalid JSON ({str(exc)[:200]})") from None
+    except ValueError as exc:  # an integer literal too long to convert
+        raise ConfigError(f"{path}: invalid JSON ({str(exc)[:200]})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid JSON (nested too deeply)") from None
     return config_from_dict(raw, str(path))

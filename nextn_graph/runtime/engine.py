@@ -28,9 +28,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, resolve_graph
+from ..config import (GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, check_pool,
+                      check_section, resolve_graph, resolve_speculative)
 from ..errors import InputError, RequestFailed
-from ..generate import GenerateResult, validate_prompt, validate_prompts, validate_stop_ids
+from ..generate import (GenerateResult, validate_max_new_tokens, validate_prompt,
+                        validate_prompts, validate_stop_ids)
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..graph.backends import GraphBackend, make_backend
@@ -93,9 +95,17 @@ class SpecEngine:
         already-built one, e.g. the NPU adapter over a fake namespace) captures the
         phases of every bucket before the first request.
         """
+        # Configs built in code are checked as strictly as those read from YAML.
+        where = "SpecEngine"
+        if spec is not None:
+            spec = resolve_speculative(check_section(spec, where, "speculative."), where)
         self.cfg, self.spec = target.cfg, spec
         self.num_steps = spec.num_steps if spec is not None else 0
         width = self.num_steps + 1
+        pool = check_section(pool, where, "pool.")
+        check_pool(pool, width, where)
+        graph = resolve_graph(check_section(graph or GraphConfig(backend="eager"), where,
+                                            "graph."), pool, where)
         layout = PoolLayout(pool.max_requests, pool.max_context, width)
         self.max_context = pool.max_context
         self.models = phases.SpecModels(target, draft, target.new_pool(layout),
@@ -105,7 +115,6 @@ class SpecEngine:
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
         bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
                                      self.device, dtype)
-        graph = resolve_graph(graph or GraphConfig(backend="eager"), pool, "graph config")
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates)
         self.runner = RoundRunner(
@@ -140,6 +149,7 @@ class SpecEngine:
         rid = self._next_rid
         prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens,
                                  f"request {rid}", self.lookahead)
+        max_new_tokens = validate_max_new_tokens(max_new_tokens, f"request {rid}")
         stops = validate_stop_ids(stop_ids, self.cfg, f"request {rid}")
         self._next_rid += 1
         req = Request(rid, prompt, max_new_tokens, stops)

@@ -44,17 +44,25 @@ class PoolConfig:
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "torchair")
+GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
 GRAPH_KINDS = ("draft_extend", "rollout", "target_verify")
+# What torch.compile hands each graph to, for graph backends compile and torchair (others
+# ignore it). compile: inductor | aot_eager anywhere, reduce-overhead (inductor in CUDA graphs)
+# on CUDA; torchair (compile on Ascend): npugraph_ex | reduce-overhead.
+COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "reduce-overhead", "npugraph_ex")
+_COMPILE_ON = {"cpu": ("inductor", "aot_eager"),
+               "cuda": ("inductor", "aot_eager", "reduce-overhead"),
+               "npu": ("auto", "npugraph_ex", "reduce-overhead")}
 
 
 @dataclass(frozen=True)
 class GraphConfig:
-    backend: str = "cpu"  # eager | cpu (emulator) | cuda | npu | torchair
+    backend: str = "cpu"  # eager | cpu (emulator) | cuda | npu | compile | torchair
     buckets: tuple[int, ...] = ()  # request counts captured; sorted, unique; () = auto
     kinds: tuple[str, ...] = GRAPH_KINDS  # which phases become graphs; others run eagerly
     warmup: int = 1  # eager runs of each phase before its capture
     debug_check_addresses: bool = False  # assert static inputs never moved, every replay
+    compile_backend: str = "auto"  # see COMPILE_BACKENDS; auto: inductor, Ascend: torchair's
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class RunConfig:
 
 
 _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
-            "backend": GRAPH_BACKENDS}
+            "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS}
 
 
 _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
@@ -236,7 +244,25 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
     if needs is not None and cfg.device != needs:
         raise ConfigError(f"{where}: key 'graph.backend' {graph.backend!r} needs device "
                           f"{needs!r}, but key 'device' is {cfg.device!r}")
+    graph = resolve_compile(graph, cfg.device, where)
     return dataclasses.replace(cfg, speculative=spec, graph=graph)
+
+
+def resolve_compile(graph: GraphConfig, device: str, where: str) -> GraphConfig:
+    """``compile`` on Ascend is ``torchair``; ``auto`` is inductor on CPU and CUDA (on
+    Ascend torchair picks at start-up: npugraph_ex where torch_npu offers it, else its
+    reduce-overhead mode); a compile_backend the device cannot run is refused."""
+    if graph.backend not in ("compile", "torchair"):
+        return graph  # compile_backend is not read
+    backend = "torchair" if device == "npu" else graph.backend
+    choice = graph.compile_backend
+    if choice == "auto" and device != "npu":
+        choice = "inductor"
+    if choice not in _COMPILE_ON[device]:
+        raise ConfigError(f"{where}: key 'graph.compile_backend' {graph.compile_backend!r} "
+                          f"cannot run on device {device!r} (graph backend {backend!r}); "
+                          f"choose from {_COMPILE_ON[device]}")
+    return dataclasses.replace(graph, backend=backend, compile_backend=choice)
 
 
 def resolve_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> GraphConfig:

@@ -36,3 +36,141 @@ def seqlen_registry() -> UpdateRegistry:
     reg = UpdateRegistry()
     reg.register(SEQLEN_OP, [("arg", 1, "lens")], lambda ctx: {"lens": list(ctx.lengths)})
     return reg
+
+
+
+# -- the bf16 guarantee (docs/guarantees_bf16.md) ----------------------------------------
+
+# δ, in fp32 logits: where a bf16 stream first leaves the fp32 reference, the token it
+# picked may trail the reference's choice by less than this (its regret). Measured with
+# perf/sweep.py and docs/guarantees_bf16.md: bf16 moves a logit gap by up to 4.5.
+BF16_TOLERANCE = 5.0
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    """Index of the first differing token; a strict prefix diverges at its end; None if equal."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+@torch.no_grad()
+def reference_logits(target, prompt: list[int], ref: list[int]) -> torch.Tensor:
+    """``target.reference`` teacher-forced over ``prompt + ref``: row i [V] fp32 holds the
+    logits that picked ref[i]. [len(ref), V]"""
+    device = target.embed.weight.device
+    seq = torch.tensor(list(prompt) + list(ref[:-1]), device=device)
+    return target.reference(seq).logits[len(prompt) - 1:len(prompt) - 1 + len(ref)].float()
+
+
+def top2_margins(logits: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 logit of every row: how near the reference was to a tie."""
+    top = logits.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def divergence_regret(got: list[int], ref: list[int], ref_logits: torch.Tensor) -> float | None:
+    """At the first position where ``got`` leaves ``ref``: the reference's logit of its own
+    token minus that of ``got``'s token (the top-2 margin when ``got`` took the runner-up).
+    None when the streams are equal; inf when one stops early or runs on with no differing
+    token (same limits and stop ids, so that is bookkeeping, never rounding)."""
+    i = first_divergence(got, ref)
+    if i is None:
+        return None
+    if i >= min(len(got), len(ref)):
+        return float("inf")
+    return float(ref_logits[i, ref[i]] - ref_logits[i, got[i]])
+
+
+def within_tolerance(got: list[int], ref: list[int], ref_logits: torch.Tensor,
+                     delta: float = BF16_TOLERANCE) -> bool:
+    """The bf16 guarantee for one stream: it equals the fp32 reference ``ref``, or first
+    leaves it for a token whose fp32 logit trails the reference's choice by under ``delta``."""
+    regret = divergence_regret(got, ref, ref_logits)
+    return regret is None or regret < delta
+
+
+# -- CPU stand-ins for torch_npu's updatable kernels (tests/test_fake_npu.py) -------------
+# Each has the overload name and, up to its length argument, the schema of the real op,
+# which is all torch_npu's graph op handler table looks at (it keys on ``func.__name__``,
+# any namespace): a graph records them and applies updates as it would on an NPU.
+
+IFA_OP, PA_OP = "npu_fused_infer_attention_score", "_npu_paged_attention"
+
+
+def ifa_standin():
+    """Fused infer attention v1, BSH with one head: row b attends to its first
+    ``actual_seq_lengths_kv[b]`` keys (a kwarg-only host list, as in torch_npu)."""
+    packet = getattr(torch.ops, SEQLEN_NS)
+    if not hasattr(packet, IFA_OP):
+        torch.library.define(
+            f"{SEQLEN_NS}::{IFA_OP}",
+            "(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+            "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
+            "SymInt[]? actual_seq_lengths_kv=None, int num_heads=1, float scale=1.0, "
+            "str input_layout=\"BSH\") -> (Tensor, Tensor)")
+        torch.library.impl(f"{SEQLEN_NS}::{IFA_OP}", "cpu", func=_ifa_cpu)
+    return getattr(packet, IFA_OP)
+
+
+def _ifa_cpu(query, key, value, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+             actual_seq_lengths_kv=None, num_heads=1, scale=1.0, input_layout="BSH"):
+    lens = actual_seq_lengths_kv or [key.shape[1]] * key.shape[0]
+    scores = query @ key.transpose(1, 2) * scale  # [B, Sq, Skv]
+    masked = torch.arange(key.shape[1]) >= torch.tensor(lens)[:, None, None]
+    scores = scores.masked_fill(masked, float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)  # [B, Sq, 1]
+    return (scores - lse).exp() @ value, lse
+
+
+def pa_standin():
+    """ATB paged attention: token t attends to the first ``context_lens[t]`` cached tokens
+    of its block table; ``context_lens`` a host int32 tensor at positional slot 7."""
+    packet = getattr(torch.ops, SEQLEN_NS)
+    if not hasattr(packet, PA_OP):
+        torch.library.define(
+            f"{SEQLEN_NS}::{PA_OP}",
+            "(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
+            "int num_heads, float scale_value, Tensor block_table, Tensor context_lens, "
+            "Tensor(a!) out, *, Tensor? workspace=None) -> ()")
+        torch.library.impl(f"{SEQLEN_NS}::{PA_OP}", "cpu", func=_pa_cpu)
+    return getattr(packet, PA_OP)
+
+
+def _pa_cpu(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+            block_table, context_lens, out, workspace=None):
+    block = key_cache.shape[1]
+    keys, values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)  # [slots, H, D]
+    for t, length in enumerate(context_lens.tolist()):
+        slots = (block_table[t].long()[:, None] * block + torch.arange(block)).flatten()[:length]
+        scores = torch.einsum("hd,lhd->hl", query[t], keys[slots]) * scale_value
+        out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[slots])
+
+
+def npu_registry() -> UpdateRegistry:
+    """Rules for both stand-ins in the forms torch_npu applies: IFA's kwarg by its own
+    name, paged attention's positional slot 7 under its handler's key."""
+    reg = UpdateRegistry()
+    reg.register(IFA_OP, [("kwarg", "actual_seq_lengths_kv", "actual_seq_lengths_kv")],
+                 lambda ctx: {"actual_seq_lengths_kv": list(ctx.lengths)})
+    reg.register(PA_OP, [("arg", 7, "context_lens")],
+                 lambda ctx: {"context_lens": torch.tensor(ctx.lengths, dtype=torch.int32)})
+    return reg
+
+
+def ifa_inputs(seed: int = 0) -> list[torch.Tensor]:
+    """query [2, 1, 4], key and value [2, 6, 4] for ``ifa_standin``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 1, 4, generator=gen), torch.randn(2, 6, 4, generator=gen),
+            torch.randn(2, 6, 4, generator=gen)]
+
+
+def pa_inputs(seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """For ``pa_standin``: two tokens, one head, blocks of 4 (token t reads blocks
+    block_table[t]); query [2, 1, 8], caches [6, 4, 1, 8], table [2, 2], out [2, 1, 8]."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(2, 1, 8, generator=gen)
+    key_cache, value_cache = torch.randn(2, 6, 4, 1, 8, generator=gen).unbind(0)
+    block_table = torch.tensor([[0, 2], [5, 1]], dtype=torch.int32)
+    return query, key_cache, value_cache, block_table, torch.zeros(2, 1, 8)

@@ -11,11 +11,17 @@ import json
 
 import pytest
 
+from torch.profiler import ProfilerActivity
+
 from nextn_graph.bench import BenchSettings, run_bench
+from nextn_graph.bench.measure import bench_prompts, measure
 from nextn_graph.bench.report import table
 from nextn_graph.bench.run import padding_waste
 from nextn_graph.cli import main
-from nextn_graph.config import load_run_config
+from nextn_graph.config import PoolConfig, SpeculativeConfig, load_run_config
+from nextn_graph.graph.counting import OUTSIDE_PHASES, ProfilerCounter
+from nextn_graph.graph.runner import COUNTED_AS
+from nextn_graph.runtime.engine import SpecEngine
 
 SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)
 
@@ -32,8 +38,9 @@ def report(request, tmp_path_factory):
 
 def test_counts_add_up(report):
     """Per bucket: NextN forwards = num_steps, verify width = num_steps + 1, graph
-    submissions = replays + staging copies + updates + eager-fallback ops, and replays
-    per round = the phases of a round (3, or 2 without a rollout)."""
+    submissions = replays + the staging copy + 3 readback copies + updates + eager-fallback
+    ops, replays per round = the phases of a round (3, or 2 without a rollout), and the
+    eager submissions are exactly the sum of their phases and what ran outside them."""
     rep, steps, _ = report
     assert [b["bucket"] for b in rep["buckets"]] == [1, 2]
     for b in rep["buckets"]:
@@ -41,15 +48,22 @@ def test_counts_add_up(report):
         assert b["verify_width"] == steps + 1
         g = b["graph"]
         parts = g["submissions"]
-        assert g["submissions_per_round"] == (parts["replays"] + parts["staging_copies"]
-                                             + parts["updates"] + parts["eager_fallback_ops"])
+        assert g["submissions_per_round"] == sum(parts.values())
+        assert set(parts) == {"replays", "staging_copies", "readback_copies", "updates",
+                              "eager_fallback_ops"}
         assert g["replays_per_round"] == (3 if steps > 1 else 2) == parts["replays"]
-        assert parts["staging_copies"] == 2 and parts["updates"] == 0
+        assert parts["staging_copies"] == 1 and parts["readback_copies"] == 1
+        assert parts["updates"] == 0 and parts["eager_fallback_ops"] == 0
+        assert g["counted_as"] == COUNTED_AS and "readback copies" in g["counted_as"]
+        assert g["submissions_per_round"] == g["replays_per_round"] + 2
         e = b["eager"]
         phases = e["submissions"]
-        assert set(phases) == ({"rollout", "target_verify", "draft_extend"} if steps > 1
-                               else {"target_verify", "draft_extend"})
-        assert e["submissions_per_round"] > sum(phases.values()) > 0  # + staging, readback
+        kinds = ({"rollout", "target_verify", "draft_extend"} if steps > 1
+                 else {"target_verify", "draft_extend"})
+        assert set(phases) == kinds | {OUTSIDE_PHASES}
+        assert e["submissions_per_round"] == sum(phases.values())
+        assert all(phases[k] > 0 for k in kinds)
+        assert phases[OUTSIDE_PHASES] == 2  # the staging copy_ and the readback copy_
         assert b["submission_ratio"] == pytest.approx(
             e["submissions_per_round"] / g["submissions_per_round"])
         sp = b["spec_vs_plain"]
@@ -145,3 +159,27 @@ def test_graph_backend_report_keeps_graph_figures(report):
     rep, _, _ = report
     assert rep["settings"]["graphs"] is True and rep["padding"]["waste"] >= 0
     assert "padding waste over batch sizes 1..2" in table(rep)
+
+
+def test_profiler_count_matches_dispatch_count(trained):
+    """The bench's profiler path (here with CPU activity: aten ops) counts an eager round
+    like the dispatch-mode count of the same round (identical start state, deterministic
+    ops) within 2%, never 0, and its phases add up to its total: one profiler per round.
+    Nested profilers, as the bench once had, gave phase counts and a round total of 0."""
+    eng = SpecEngine(trained.target, trained.draft,
+                     SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(2, 256))
+    prompts = bench_prompts(trained.cfg.vocab_size, 2, seed=11)
+    st = BenchSettings(warmup_rounds=0, timed_rounds=1, repeats=1)
+    dispatch = measure(eng, prompts, st)
+    profiler = measure(eng, prompts, st, counter=lambda device: ProfilerCounter(
+        ProfilerActivity.CPU))
+    assert dispatch["count_method"] == "kernel-launching aten ops"
+    assert profiler["count_method"] == "profiler aten ops (CPU)"
+    for run in (dispatch, profiler):
+        assert set(run["phase_launches"]) == {"rollout", "target_verify", "draft_extend"}
+        assert all(n > 0 for n in run["phase_launches"].values())
+        assert run["eager_launches"] == (sum(run["phase_launches"].values())
+                                         + run["outside_phase_launches"]) > 0
+    assert profiler["eager_launches"] == pytest.approx(dispatch["eager_launches"], rel=0.02)
+    for kind, n in dispatch["phase_launches"].items():
+        assert profiler["phase_launches"][kind] == pytest.approx(n, rel=0.02), kind

@@ -1,5 +1,6 @@
-"""The npu and torchair adapters against the fake ``torch.npu`` namespace, the lazy
-torch_npu import, and (on a GPU only) the cuda backend.
+"""The npu adapter against the fake ``torch.npu`` namespace, the torchair backend
+through real Dynamo with stand-ins for torchair, the lazy torch_npu import, and (on a
+GPU only) the cuda backend.
 
 The fake namespace (``fake_npu.make_fake_npu``) backs ``NPUGraph`` with the strict
 CPU emulator, so the adapters' capture / update / replay protocol runs here as it
@@ -14,6 +15,7 @@ import importlib.util
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,18 +27,21 @@ from nextn_graph.generate import reference_generate
 from nextn_graph.graph.backends import make_backend
 from nextn_graph.graph.emulator import CaptureError
 from nextn_graph.graph.fake_npu import make_fake_npu
-from nextn_graph.graph.npu import NpuBackend, TorchairBackend
+from nextn_graph.graph.compile import torchair_backend
+from nextn_graph.graph.npu import NpuBackend
 from nextn_graph.graph.updates import UpdateContext, UpdateRegistry
 from nextn_graph.runtime.engine import SpecEngine
 
-from helpers import SEQLEN_OP, seqlen_op, seqlen_registry
+from helpers import (IFA_OP, PA_OP, SEQLEN_OP, ifa_inputs, ifa_standin, npu_registry,
+                     pa_inputs, pa_standin)
 
-OP_NAME = SEQLEN_OP
 SPEC = SpeculativeConfig(num_steps=3, num_draft_tokens=4)
 POOL = PoolConfig(4, 128)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 30)), [40, 41, 42]]  # 3 requests > bucket 2
 MAX_NEW = 12
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+# The fake's torch_npu versions (only messages read them; the API is what is checked).
+NEW_NPU, OLD_NPU = "2.5.1.post1", "2.1.0.post8"
 
 
 
@@ -59,7 +64,7 @@ def expected(trained):
 def test_npu_backend_engine_equals_eager_and_reference(trained, expected):
     """The NPU adapter engine (fake namespace) replays graphs and equals eager and the oracle."""
     reg = UpdateRegistry()
-    backend = NpuBackend(reg, namespace=make_fake_npu(reg))
+    backend = NpuBackend(reg, namespace=make_fake_npu(), version=NEW_NPU)
     engine = SpecEngine(trained.target, trained.draft, SPEC, POOL,
                         GraphConfig(backend="npu", buckets=(1, 2)), backend=backend, updates=reg)
     assert {(r.kind, r.bucket) for r in engine.runner.records} == {
@@ -74,29 +79,44 @@ def test_npu_backend_engine_equals_eager_and_reference(trained, expected):
     assert fake_replays == st["graph_replays"]
 
 
-# -- 2. updates derived from what was captured ---------------------------------------
+# -- 2. updates derived from what was captured, in the forms torch_npu applies --------
 
-def test_npu_updates_are_derived_from_the_captured_records():
-    """NPU update dicts are derived from the captured records and applied by replay(update)."""
-    op = seqlen_op()
-    reg = seqlen_registry()
-    fake = make_fake_npu(reg)
-    backend = NpuBackend(reg, namespace=fake)
-    x, out, seen = torch.tensor([1.0, 2.0]), {}, []
+def _capture_both(backend, lens: torch.Tensor, ran: list | None = None):
+    """A graph of fused infer attention into ``attn`` and paged attention into ``out``."""
+    ifa, pa = ifa_standin(), pa_standin()
+    q, k, v = ifa_inputs()
+    query, key_cache, value_cache, table, out = pa_inputs()
+    attn = torch.zeros(2, 1, 4)
 
     def fn():
-        seen.append(backend.is_capturing())
-        out["y"] = op(op(x, [1]), [1])
+        if ran is not None:
+            ran.append(backend.is_capturing())
+        attn.copy_(ifa(q, k, v, actual_seq_lengths_kv=[1, 1])[0])
+        pa(query, key_cache, value_cache, 1, 1, 0.5, table, lens, out)
 
-    graph = backend.capture(fn, backend.new_pool())
-    assert seen == [True] and not backend.is_capturing()
-    assert graph.update_ops == [f"{OP_NAME}.default"] * 2
+    return backend.capture(fn, backend.new_pool()), attn, out
+
+
+def test_npu_updates_are_derived_from_the_captured_records():
+    """Rules in the forms torch_npu applies pass the capture check; the dicts derived from
+    the records reach both kernels (IFA's kwarg by name, paged attention's slot 7)."""
+    reg = npu_registry()
+    backend = NpuBackend(reg, namespace=make_fake_npu(), version=NEW_NPU)
+    ran = []
+    graph, attn, out = _capture_both(backend, torch.tensor([1, 1], dtype=torch.int32), ran)
+    assert ran == [True] and not backend.is_capturing()
+    assert graph.update_ops == [f"{IFA_OP}.default", f"{PA_OP}.default"]
     ctx = UpdateContext(bucket=2, width=4, rows=(2, 1), lengths=(5, 3))
     update = reg.derive(graph.update_ops, ctx)
-    assert update == [{"lens": [5, 3]}, {"lens": [5, 3]}]
+    assert update[0] == {"actual_seq_lengths_kv": [5, 3]}
+    assert update[1]["context_lens"].tolist() == [5, 3]
     graph.replay(update)
     assert graph.graph.update_calls == 1 and graph.graph.replays == 1
-    assert out["y"].tolist() == [64.0, 128.0]
+    q, k, v = ifa_inputs()
+    assert torch.equal(attn, ifa_standin()(q, k, v, actual_seq_lengths_kv=[5, 3])[0])
+    query, key_cache, value_cache, table, want = pa_inputs()
+    pa_standin()(query, key_cache, value_cache, 1, 1, 0.5, table, update[1]["context_lens"], want)
+    assert torch.equal(out, want)
     for bad in (None, update[:1]):
         with pytest.raises(CaptureError, match="needs 2 update dict"):
             graph.replay(bad)
@@ -104,64 +124,130 @@ def test_npu_updates_are_derived_from_the_captured_records():
 
 
 def test_npu_capture_fails_for_recorded_op_without_rule():
-    """An updatable op recorded without a registered rule fails at capture, naming the op."""
-    op = seqlen_op()
-    fake = make_fake_npu(seqlen_registry())  # the graph records the op ...
-    backend = NpuBackend(UpdateRegistry(), namespace=fake)  # ... we hold no rule for it
-    x = torch.ones(2)
-    with pytest.raises(CaptureError, match=f"{OP_NAME}.*no update rule"):
-        backend.capture(lambda: op(x, [2]), backend.new_pool())
+    """An op torch_npu records, with no rule registered, fails at capture, naming the op."""
+    backend = NpuBackend(UpdateRegistry(), namespace=make_fake_npu(), version=NEW_NPU)
+    with pytest.raises(CaptureError, match=f"{IFA_OP}.default.*no update rule"):
+        _capture_both(backend, torch.tensor([1, 1], dtype=torch.int32))
 
 
-# -- 3. the fake mirrors torch_npu's refusal ------------------------------------------
-
-def test_fake_npugraph_update_needs_auto_dispatch_capture():
-    """The fake NPUGraph.update raises RuntimeError unless captured with auto_dispatch_capture."""
-    op = seqlen_op()
-    fake = make_fake_npu(seqlen_registry())
-    x = torch.ones(2)
-    plain = fake.NPUGraph()
-    with fake.graph(plain, pool=fake.graph_pool_handle()):
-        op(x, [1])
-    assert plain.graph_dispatch_mode.graph_dispatch_records == []
-    with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
-        plain.update(cpu_update_input=[{"lens": [2]}])
-    assert plain.update_calls == 0
-    auto = fake.NPUGraph()
-    with fake.graph(auto, pool=fake.graph_pool_handle(), auto_dispatch_capture=True):
-        op(x, [1])
-    assert len(auto.graph_dispatch_mode.graph_dispatch_records) == 1
-    auto.update(cpu_update_input=[{"lens": [2]}])
-    assert auto.update_calls == 1
+# A rule per case that torch_npu would not apply; "before": refused before the capture runs.
+IGNORED_RULES = [
+    (IFA_OP, ("kwarg", "actual_seq_lengths_kv", "kv_lens"), "'kv_lens'.*its own name", True),
+    (IFA_OP, ("arg", 6, "kv_lens"), r"'kv_lens'.*\(6, 'actual_seq_lengths_kv'\)", True),
+    (PA_OP, ("arg", 7, "seq_lens"), r"'seq_lens'.*\(7, 'context_lens'\)", True),
+    (PA_OP, ("arg", 8, "context_lens"), r"\('arg', 8, 'context_lens'\) would be ignored", True),
+    (SEQLEN_OP, ("arg", 1, "lens"), f"{SEQLEN_OP}.*never record", True),
+    (f"{IFA_OP}.default", ("kwarg", "actual_seq_lengths_kv", "actual_seq_lengths_kv"),
+     f"as {IFA_OP}.out", True),
+    (IFA_OP, ("kwarg", "actual_seq_lengths", "actual_seq_lengths"),
+     "'actual_seq_lengths'.*holds no kwarg", False),
+    (IFA_OP, ("arg", 6, "actual_seq_lengths_kv"), r"args\[6\].*3 positional", False),
+    (PA_OP, ("kwarg", "context_lens", "context_lens"), "'context_lens'.*holds no kwarg", False),
+]
 
 
-# -- 4. torchair: compile per graph, capture limit ------------------------------------
-
-def test_torchair_captures_by_calling_and_enforces_limit():
-    """torchair captures by compiling + calling, replays by calling, refuses past its limit."""
-    compiled = []
-    backend = TorchairBackend(compile_fn=lambda f: compiled.append(f) or f, capture_limit=3)
-    counter = torch.zeros((), dtype=torch.int64)
-    graphs = [backend.capture(lambda: counter.add_(1), None) for _ in range(3)]
-    assert len(compiled) == 3 and backend.captured == 3 and int(counter) == 3
-    graphs[0].replay()
-    assert int(counter) == 4
-    with pytest.raises(CaptureError, match="limit 3"):
-        backend.capture(lambda: counter.add_(1), None)
-    assert len(compiled) == 3 and int(counter) == 4  # the refused capture ran nothing
+@pytest.mark.parametrize("op_name, spec, match, before", IGNORED_RULES)
+def test_npu_capture_refuses_a_rule_torch_npu_would_ignore(op_name, spec, match, before):
+    """A rule whose key torch_npu would skip (wrong name, wrong slot, a kwarg the call
+    lacks, an op it never records) is refused at capture, naming the op and the key."""
+    reg = npu_registry()
+    reg.ops.pop(op_name.split(".")[0], None)
+    reg.register(op_name, [spec], lambda ctx: {spec[2]: list(ctx.lengths)})
+    backend = NpuBackend(reg, namespace=make_fake_npu(), version=NEW_NPU)
+    ran = []
+    with pytest.raises(CaptureError, match=match):
+        _capture_both(backend, torch.tensor([1, 1], dtype=torch.int32), ran)
+    assert ran == ([] if before else [True])
 
 
-def test_torchair_engine_equals_eager(trained, expected):
-    """A torchair engine (6 graphs, limit 64) equals eager; limit 5 refuses it at start-up."""
-    backend = TorchairBackend(compile_fn=lambda f: f, capture_limit=64)
-    graph_cfg = GraphConfig(backend="torchair", buckets=(1, 2))
-    engine = SpecEngine(trained.target, trained.draft, SPEC, POOL, graph_cfg, backend=backend)
-    assert backend.captured == 6 and len(engine.runner.graphs) == 6
+def test_derive_refuses_a_rule_returning_a_key_it_does_not_declare():
+    """A rule's dict may hold only its spec's keys: any other would be dropped unseen."""
+    reg = UpdateRegistry()
+    reg.register(IFA_OP, [("kwarg", "actual_seq_lengths_kv", "actual_seq_lengths_kv")],
+                 lambda ctx: {"actual_seq_lengths_kv": list(ctx.lengths), "kv_lens": [0]})
+    ctx = UpdateContext(bucket=1, width=4, rows=(1,), lengths=(7,))
+    with pytest.raises(CaptureError, match=f"{IFA_OP}.default.*'kv_lens'"):
+        reg.derive([f"{IFA_OP}.default"], ctx)
+
+
+# -- 3. torch_npu without the graph update API ------------------------------------------
+
+def test_npu_backend_refuses_a_torch_npu_without_the_update_api():
+    """A torch_npu whose torch.npu.graph takes no auto_dispatch_capture (before 7.1.0) is
+    refused at start-up with a ConfigError naming the installed version and the need."""
+    need = r"auto_dispatch_capture=True\).*7\.1\.0.*installed torch_npu 2\.1\.0\.post8 lacks"
+    with pytest.raises(ConfigError, match=need):
+        NpuBackend(namespace=make_fake_npu(update_api=False), version=OLD_NPU)
+    with pytest.raises(ConfigError, match=need):
+        make_backend("npu", namespace=make_fake_npu(update_api=False), version=OLD_NPU)
+    backend = make_backend("npu", npu_registry(), namespace=make_fake_npu(), version=NEW_NPU)
+    graph, _, _ = _capture_both(backend, torch.tensor([1, 1], dtype=torch.int32))
+    assert len(graph.update_ops) == 2
+
+
+# -- 4. torchair: the compile backend with torchair's compiler -------------------------
+
+class _FakeTorchair:
+    """What the torchair backend uses of torchair: ``CompilerConfig`` (its ``mode``) and
+    ``get_npu_backend``, whose Dynamo backend is aot_eager here: real torch.compile, no NPU."""
+
+    class CompilerConfig:
+        def __init__(self):
+            self.mode = "max-autotune"
+
+    def __init__(self):
+        self.configs = []
+
+    def get_npu_backend(self, compiler_config):
+        self.configs.append(compiler_config)
+        return torch._dynamo.lookup_backend("aot_eager")
+
+
+def _npu_namespace() -> SimpleNamespace:
+    """The torch.npu calls the compile backend makes (sync, capture state, memory)."""
+    return SimpleNamespace(synchronize=lambda: None, is_current_stream_capturing=lambda: False,
+                           empty_cache=lambda: None, memory_reserved=lambda: 0)
+
+
+def _registered(*names):
+    """A Dynamo backend lookup where ``names`` are registered (as aot_eager)."""
+    return lambda name: torch._dynamo.lookup_backend("aot_eager") if name in names else None
+
+
+def test_torchair_compiler_follows_what_torch_npu_offers():
+    """auto is npugraph_ex where torch_npu registers it, else torchair's reduce-overhead
+    mode; npugraph_ex without it, or a non-Ascend compile_backend, is a ConfigError."""
+    fake = _FakeTorchair()
+    kw = dict(namespace=_npu_namespace(), torchair=fake)
+    assert torchair_backend("auto", lookup=_registered("npugraph_ex"), **kw).compiler.label == \
+        "npugraph_ex"
+    assert fake.configs == []  # npugraph_ex is a registered backend: no torchair config
+    for choice in ("auto", "reduce-overhead"):
+        backend = torchair_backend(choice, lookup=_registered(), **kw)
+        assert backend.name == "torchair" and backend.compiler.label == "torchair reduce-overhead"
+        assert fake.configs[-1].mode == "reduce-overhead"
+    with pytest.raises(ConfigError, match="registers no 'npugraph_ex'.*reduce-overhead"):
+        torchair_backend("npugraph_ex", lookup=_registered(), **kw)
+    for bad in ("inductor", "aot_eager"):
+        with pytest.raises(ConfigError, match=f"compile_backend {bad!r} is not one of"):
+            make_backend("torchair", compile_backend=bad, lookup=_registered(), **kw)
+
+
+def test_torchair_engine_through_dynamo_equals_reference(trained):
+    """A torchair engine compiles every graph through real Dynamo (its npugraph_ex stands
+    in as aot_eager) and equals the oracle; each graph is replayed."""
+    backend = make_backend("torchair", compile_backend="npugraph_ex", namespace=_npu_namespace(),
+                           torchair=_FakeTorchair(), lookup=_registered("npugraph_ex"))
+    spec = SpeculativeConfig(num_steps=1, num_draft_tokens=2)  # 2 kinds: 2 graphs, fast
+    engine = SpecEngine(trained.target, trained.draft, spec, POOL,
+                        GraphConfig(backend="torchair", buckets=(2,)), backend=backend)
+    assert backend.captured == 2 and len(engine.runner.graphs) == 2
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
-    assert res.outputs == expected.outputs and res.stats["graph_replays"] > 0
-    with pytest.raises(CaptureError, match="limit 5"):
-        SpecEngine(trained.target, trained.draft, SPEC, POOL, graph_cfg,
-                   backend=TorchairBackend(compile_fn=lambda f: f, capture_limit=5))
+    ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(),
+                             max_context=POOL.max_context)
+    assert res.outputs == ref.outputs and res.stats["backend"] == "torchair"
+    assert res.stats["eager_fallbacks"] == 0
+    assert all(g.replays > 0 for g in engine.runner.graphs.values())
 
 
 # -- 5. torch_npu is imported lazily --------------------------------------------------

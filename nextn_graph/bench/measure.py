@@ -3,9 +3,10 @@
 For every bucket B of the config, B requests run side by side on four engines
 built once: speculative and plain decoding, each eager and on the config's
 graph backend. After warm-up, each steady round (all B requests running, no
-admission) is timed on the host; one more round is counted: kernel-launching
-ops per phase in eager mode, replays + staging copies + updates (+ the ops of
-any phase left eager) in graph mode. Requests are then aborted, so every
+admission) is timed on the host; one more round is counted by one counter
+(``count_round``), split by phase: kernel-launching ops in eager mode; in graph
+mode the runner's counters (replays, staging and readback copies, updates) plus
+the ops of any phase left eager. Requests are then aborted, so every
 measurement starts from the same state. Repeats give a median and its spread.
 """
 
@@ -13,14 +14,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..graph.counting import launch_counter
+from ..graph.counting import OUTSIDE_PHASES, RoundCounter, launch_counter
+from ..graph.runner import COUNTED_AS
 from ..runtime.engine import SpecEngine
 from ..train import Corpus, TrainSettings
 
@@ -76,31 +79,28 @@ def build_engines(models, cfg: RunConfig, progress: bool) -> Engines:
         graph_plain=engine(None, cfg.graph, progress=progress) if graphs else None)
 
 
-@contextmanager
-def _phase_counter(runner, per_phase: dict[str, int], device: str):
-    """Count eager kernel launches per phase; a replay counts as its own submission."""
+def count_round(runner, step: Callable[[], object], counter: RoundCounter) -> dict:
+    """Run ``step`` (one round) under ``counter``, the round's only counter: every
+    submission, split by the phases that ran eagerly (a replayed phase is one submission,
+    the runner's to count) and ``OUTSIDE_PHASES`` for the rest (staging, readback)."""
     def tracer(kind: str, replayed: bool):
-        return _count_into(per_phase, kind, replayed, device)
+        return nullcontext() if replayed else counter.phase(kind)
 
     runner.tracer = tracer
     try:
-        yield
+        with counter:
+            step()
     finally:
         runner.tracer = None
+    per_phase = dict(counter.per_phase)
+    return {"launches": counter.launches, "method": counter.method,
+            "outside_phases": per_phase.pop(OUTSIDE_PHASES, 0), "phases": per_phase}
 
 
-@contextmanager
-def _count_into(per_phase: dict[str, int], kind: str, replayed: bool, device: str):
-    if replayed:
-        yield
-        return
-    with launch_counter(device) as counter:
-        yield
-    per_phase[kind] = per_phase.get(kind, 0) + counter.launches
-
-
-def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings) -> dict:
-    """Steady rounds of ``len(prompts)`` requests on one engine."""
+def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
+            counter: Callable[[str], RoundCounter] = launch_counter) -> dict:
+    """Steady rounds of ``len(prompts)`` requests on one engine; ``counter(device)``
+    makes the counter of the counted round."""
     rounds = 1 + st.warmup_rounds + st.timed_rounds + 1
     max_new = rounds * (engine.num_steps + 1) + 1  # nobody finishes inside the window
     times, tokens = [], 0
@@ -117,10 +117,7 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings) -> 
             times.append(elapsed)
             tokens += sum(len(o.new_tokens) for o in outs)
     counters_before = engine.runner.counters.as_dict()
-    per_phase: dict[str, int] = {}
-    device = str(engine.device)
-    with _phase_counter(engine.runner, per_phase, device), launch_counter(device) as whole:
-        engine.step()
+    counted = count_round(engine.runner, engine.step, counter(str(engine.device)))
     counters = {k: v - counters_before[k] for k, v in engine.runner.counters.as_dict().items()}
     after = engine.stats.as_dict()
     for rid in rids:
@@ -128,11 +125,13 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings) -> 
     rounds_done = after["rounds"] - before["rounds"]
     return {
         "round_s": times, "tokens": tokens,
-        "eager_launches": whole.launches,  # every launch of the counted round
-        "count_method": whole.method,
-        "phase_launches": per_phase,  # ops of phases that ran eagerly
+        "eager_launches": counted["launches"],  # every launch of the counted round
+        "count_method": counted["method"],
+        "phase_launches": counted["phases"],  # ops of phases that ran eagerly
+        "outside_phase_launches": counted["outside_phases"],  # staging, readback, ...
         "replays": counters["graph_replays"], "staging_copies": counters["staging_copies"],
-        "updates": counters["graph_updates"], "eager_fallbacks": counters["eager_fallbacks"],
+        "readback_copies": counters["readback_copies"], "updates": counters["graph_updates"],
+        "eager_fallbacks": counters["eager_fallbacks"],
         "accepted": after["accepted_drafts"] - before["accepted_drafts"],
         "request_rounds": after["request_rounds"] - before["request_rounds"],
         "proposed": after["proposed_drafts"] - before["proposed_drafts"],
@@ -147,17 +146,17 @@ def _summary(runs: list[dict], graph: bool) -> dict:
     all_ms = sorted(t * 1000 for r in runs for t in r["round_s"])
     last = runs[-1]
     if graph:
-        fallback_ops = sum(last["phase_launches"].values())
-        submissions = last["replays"] + last["staging_copies"] + last["updates"] + fallback_ops
         by_phase = {"replays": last["replays"], "staging_copies": last["staging_copies"],
-                    "updates": last["updates"], "eager_fallback_ops": fallback_ops}
+                    "readback_copies": last["readback_copies"], "updates": last["updates"],
+                    "eager_fallback_ops": sum(last["phase_launches"].values())}
     else:
-        submissions, by_phase = last["eager_launches"], dict(last["phase_launches"])
+        by_phase = {**last["phase_launches"], OUTSIDE_PHASES: last["outside_phase_launches"]}
+    submissions = sum(by_phase.values())
     tok_s = [r["tokens"] / sum(r["round_s"]) for r in runs]
     median = statistics.median(medians)
     return {
         "submissions_per_round": submissions, "submissions": by_phase,
-        "counted_as": "replays + staging copies + updates" if graph else last["count_method"],
+        "counted_as": COUNTED_AS if graph else last["count_method"],
         "replays_per_round": last["replays"] if graph else 0,
         "round_ms_median": median, "round_ms_p90": all_ms[int(0.9 * (len(all_ms) - 1))],
         "round_ms_repeats": [round(m, 3) for m in medians],

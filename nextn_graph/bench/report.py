@@ -81,8 +81,7 @@ def markdown(report: dict) -> str:
 
 Config `{s['config']}`, backend `{s['backend']}`, torch {s['torch']}, {s['machine']},
 {s['threads']} thread(s). Per steady round (every request running, none admitted);
-submissions are kernel-launching ops in eager mode, replays + staging copies +
-updates in graph mode.
+submissions are {_counted_as(report)}.
 
 {body}
 
@@ -95,6 +94,13 @@ Spread of the repeat medians (max - min over median): {noise}.
 ![round latency](round_latency.png) ![submissions](submissions.png)
 ![speed-up vs acceptance](speedup_vs_acceptance.png)
 """
+
+
+def _counted_as(report: dict) -> str:
+    """What a submission is, per mode, as the measurement named it."""
+    first = report["buckets"][0]
+    eager = f"{first['eager']['counted_as']} in eager mode"
+    return f"{eager}; {first['graph']['counted_as']} in graph mode" if first["graph"] else eager
 
 
 def _capture_section(report: dict) -> str:

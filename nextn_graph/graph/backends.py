@@ -3,23 +3,27 @@
 A backend captures a callable that reads and writes static tensors into a graph
 object, replays it, and reports whether it is capturing. ``eager`` captures
 nothing (the baseline); ``cpu`` is the strict emulator; ``cuda`` uses
-``torch.cuda.CUDAGraph`` with one shared memory pool. The NPU backends live in
-``npu.py`` and import ``torch_npu`` only when chosen.
+``torch.cuda.CUDAGraph`` with one shared memory pool, warm-up and capture on one
+side stream. ``compile`` (``torch.compile`` per graph through Dynamo) and its Ascend
+case ``torchair`` live in ``compile.py``; ``npu`` in ``npu.py``. torch_npu is imported
+only when an Ascend backend is chosen.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
 from ..errors import ConfigError
+from . import compile as compile_mod
 from .emulator import CaptureError, CpuGraph
 from .updates import UpdateRegistry
 
-BACKENDS = ("eager", "cpu", "cuda", "npu", "torchair")
+BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
 
 
 class Graph(Protocol):
@@ -35,6 +39,7 @@ class GraphBackend(Protocol):
     captures: bool  # False for eager: phases run directly
 
     def new_pool(self) -> Any: ...
+    def warmup_context(self) -> ContextManager: ...  # where the warm-up before a capture runs
     def capture(self, fn: Callable[[], Any], pool: Any) -> Graph: ...
     def is_capturing(self) -> bool: ...
     def synchronize(self) -> None: ...
@@ -56,6 +61,9 @@ class EagerBackend:
 
     def new_pool(self) -> None:
         return None
+
+    def warmup_context(self) -> ContextManager:
+        return nullcontext()
 
     def capture(self, fn, pool):  # pragma: no cover - the runner never asks
         raise CaptureError("the eager backend does not capture graphs")
@@ -90,6 +98,9 @@ class CpuBackend:
     def new_pool(self) -> None:
         return None  # the emulator keeps each graph's tensors alive itself
 
+    def warmup_context(self) -> ContextManager:
+        return nullcontext()
+
     def capture(self, fn, pool) -> _EmulatedGraph:
         graph = CpuGraph(require_update=self.strict_updates, updatable=self.updates)
         self._capturing = True
@@ -115,25 +126,40 @@ class _CudaGraph:
 
 
 class CudaBackend:
-    """``torch.cuda.CUDAGraph`` capture into one shared pool, on a side stream."""
+    """``torch.cuda.CUDAGraph`` capture into one shared pool. Warm-up and capture run on
+    one side stream: lazy per-stream state (cuBLAS workspaces, allocator blocks) made by
+    the warm-up is then the capture's own."""
 
     name, captures = "cuda", True
 
     def __init__(self):
         if not torch.cuda.is_available():
             raise ConfigError("graph backend 'cuda' needs a CUDA device; none is available")
+        self.stream = torch.cuda.Stream()
 
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
 
+    @contextmanager
+    def warmup_context(self) -> Iterator[None]:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # later work on the caller's stream sees what the warm-up wrote
+            torch.cuda.current_stream().wait_stream(self.stream)
+
     def capture(self, fn, pool) -> _CudaGraph:
+        # torch.cuda.graph empties the allocator's cache first; so do we, before measuring,
+        # so the growth of the reserved bytes is the pool memory this graph added.
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
             fn()
         torch.cuda.synchronize()
-        return _CudaGraph(graph, torch.cuda.memory_allocated() - before)
+        return _CudaGraph(graph, max(0, torch.cuda.memory_reserved() - before))
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
@@ -142,11 +168,14 @@ class CudaBackend:
         torch.cuda.synchronize()
 
 
-def make_backend(name: str, updates: UpdateRegistry | None = None, **options) -> GraphBackend:
-    """The backend of a config; NPU backends import torch_npu only here.
+def make_backend(name: str, updates: UpdateRegistry | None = None,
+                 compile_backend: str = "auto", **options) -> GraphBackend:
+    """The backend of a config; Ascend backends import torch_npu only here.
 
-    ``options``: ``namespace`` (npu: a torch.npu-like module, e.g. the CPU fake),
-    ``compile_fn`` / ``capture_limit`` (torchair).
+    ``compile_backend``: what Dynamo compiles with (``compile``: auto = inductor;
+    ``torchair``: auto = npugraph_ex where torch_npu offers it, else reduce-overhead).
+    ``options``: ``namespace`` (npu / torchair: a torch.npu-like module, e.g. the CPU
+    fake), ``torchair`` and ``lookup`` (torchair: stand-ins for CPU tests).
     """
     if name == "eager":
         return EagerBackend()
@@ -154,12 +183,14 @@ def make_backend(name: str, updates: UpdateRegistry | None = None, **options) ->
         return CpuBackend(updates)
     if name == "cuda":
         return CudaBackend()
-    if name in ("npu", "torchair"):
+    if name == "compile":
+        return compile_mod.dynamo_backend(compile_backend)
+    if name == "torchair":
+        return compile_mod.torchair_backend(compile_backend, **options)
+    if name == "npu":
         from . import npu  # lazy: torch_npu breaks `import torch` without CANN
 
-        if name == "npu":
-            return npu.NpuBackend(updates, **options)
-        return npu.TorchairBackend(**options)
+        return npu.NpuBackend(updates, **options)
     raise ConfigError(f"unknown graph backend {name!r}; choose from {BACKENDS}")
 
 

@@ -1,25 +1,23 @@
-"""Ascend backends: ``torch.npu.NPUGraph`` and torchair's ``torch.compile`` backend.
+"""Ascend backend ``npu``: ``torch.npu.NPUGraph`` (torchair's ``torch.compile``
+backend is the ``torchair`` case of ``compile.py``).
 
 Imported only when one is chosen: ``torch_npu`` breaks ``import torch`` on a
-machine without the CANN toolkit. Both take their module as an argument, so the
-CPU test suite drives them against ``fake_npu.make_fake_npu()``, a namespace
-backed by the strict emulator. Neither has run on Ascend hardware yet.
+machine without the CANN toolkit. The backend takes its module as an argument, so
+the CPU test suite drives it against ``fake_npu.make_fake_npu()``, a namespace
+backed by the strict emulator. It has not run on Ascend hardware yet.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import inspect
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from ..errors import ConfigError
 from .emulator import CaptureError
 from .updates import UpdateRegistry
-
-# torchair captures at most this many graphs through npugraph_ex / reduce-overhead;
-# past it, it silently falls back to eager. We refuse instead.
-TORCHAIR_CAPTURE_LIMIT = 64
-
 
 def _import_torch_npu():
     try:
@@ -28,6 +26,29 @@ def _import_torch_npu():
         raise ConfigError("graph backend 'npu'/'torchair' needs torch_npu (with the CANN "
                           f"toolkit) installed: {exc}") from None
     return torch.npu
+
+
+def _torch_npu_version() -> str:
+    import torch_npu
+
+    return str(torch_npu.__version__)
+
+
+def _check_update_api(npu: Any, version: str) -> None:
+    """``torch.npu.graph(..., auto_dispatch_capture=True)`` and ``NPUGraph.update``
+    arrived with Ascend Extension for PyTorch 7.1.0; before, passing the argument is a
+    TypeError at the first capture. ``torch_npu.__version__`` cannot tell: it follows
+    PyTorch ("2.5.1.post1"), not that release line, so the API itself is inspected."""
+    try:
+        params = inspect.signature(npu.graph).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume the worst
+        params = {}
+    if "auto_dispatch_capture" not in params or not hasattr(npu.NPUGraph, "update"):
+        raise ConfigError(
+            f"graph backend 'npu' needs torch_npu's graph update API (torch.npu.graph(..., "
+            f"auto_dispatch_capture=True) and NPUGraph.update, from Ascend Extension for "
+            f"PyTorch 7.1.0); the installed torch_npu {version} lacks it: install a "
+            f"torch_npu of release 7.1.0 or later for your CANN toolkit")
 
 
 class _NpuGraph:
@@ -46,83 +67,43 @@ class _NpuGraph:
 
 
 class NpuBackend:
-    """NPUGraph with ``auto_dispatch_capture=True``; updates derived from the records."""
+    """NPUGraph with ``auto_dispatch_capture=True``; updates derived from the records.
+
+    Every update rule is checked against torch_npu's graph op handler table at
+    capture: a key torch_npu would ignore is refused, naming the op and the key.
+    ``namespace``/``version``: a torch.npu-like module and its torch_npu version
+    (the CPU fake); by default torch_npu is imported here.
+    """
 
     name, captures = "npu", True
 
-    def __init__(self, updates: UpdateRegistry | None = None, namespace: Any = None):
-        self.npu = namespace if namespace is not None else _import_torch_npu()
+    def __init__(self, updates: UpdateRegistry | None = None, namespace: Any = None,
+                 version: str = "unknown"):
+        if namespace is None:
+            namespace, version = _import_torch_npu(), _torch_npu_version()
+        _check_update_api(namespace, version)  # fail at start-up, not at the first capture
+        self.npu = namespace
         self.updates = updates or UpdateRegistry()
 
     def new_pool(self):
         return self.npu.graph_pool_handle()
 
+    def warmup_context(self) -> ContextManager:
+        # Not yet run on Ascend: whether NPUGraph wants the warm-up on its capture
+        # stream (as CUDA graphs do) is to be measured there.
+        return nullcontext()
+
     def capture(self, fn: Callable[[], Any], pool) -> _NpuGraph:
+        self.updates.check_torch_npu_rules()  # before anything is captured
         graph = self.npu.NPUGraph()
         with self.npu.graph(graph, pool=pool, auto_dispatch_capture=True):
             fn()
         records = graph.graph_dispatch_mode.graph_dispatch_records
-        names = [rec.op_cache_entry.__name__ for rec in records]
-        self.updates.check(names)  # fail at capture, not at the first replay
-        return _NpuGraph(graph, names)
+        self.updates.check_torch_npu_records(records)  # fail at capture, not at a replay
+        return _NpuGraph(graph, [rec.op_cache_entry.__name__ for rec in records])
 
     def is_capturing(self) -> bool:
         return bool(self.npu.is_current_stream_capturing())
 
     def synchronize(self) -> None:
         self.npu.synchronize()
-
-
-class _CompiledGraph:
-    def __init__(self, compiled: Callable[[], Any]):
-        self.compiled, self.nbytes, self.ops, self.update_ops = compiled, 0, -1, []
-
-    def replay(self, update: list[dict] | None = None) -> None:
-        self.compiled()
-
-
-class TorchairBackend:
-    """``torch.compile`` with torchair's NPU backend in reduce-overhead mode, one
-    static-shape compile per (kind, bucket); the capture limit is enforced."""
-
-    name, captures = "torchair", True
-
-    def __init__(self, compile_fn: Callable | None = None,
-                 capture_limit: int = TORCHAIR_CAPTURE_LIMIT, namespace: Any = None):
-        if compile_fn is None:
-            _import_torch_npu()  # fail at start-up, not at the first capture
-        self.compile_fn = compile_fn or self._torchair_compile
-        self.capture_limit = capture_limit
-        self.npu = namespace
-        self.captured = 0
-
-    @staticmethod
-    def _torchair_compile(fn: Callable) -> Callable:
-        _import_torch_npu()
-        import torchair  # ships inside torch_npu
-
-        config = torchair.CompilerConfig()
-        config.mode = "reduce-overhead"  # npugraph capture of the compiled graph
-        backend = torchair.get_npu_backend(compiler_config=config)
-        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-
-    def new_pool(self) -> None:
-        return None  # torchair manages its own graph memory
-
-    def capture(self, fn: Callable[[], Any], pool) -> _CompiledGraph:
-        if self.captured >= self.capture_limit:
-            raise CaptureError(
-                f"torchair capture limit reached: {self.captured} graphs captured, limit "
-                f"{self.capture_limit}; beyond it torchair would run eagerly. Capture fewer "
-                f"buckets or graph kinds")
-        compiled = self.compile_fn(fn)
-        compiled()  # the first call compiles and captures
-        self.captured += 1
-        return _CompiledGraph(compiled)
-
-    def is_capturing(self) -> bool:
-        return bool(self.npu is not None and self.npu.is_current_stream_capturing())
-
-    def synchronize(self) -> None:
-        if self.npu is not None:
-            self.npu.synchronize()

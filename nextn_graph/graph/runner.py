@@ -7,7 +7,10 @@ pool, time and memory recorded per graph.
 
 A round picks the smallest bucket that fits, stages the requests' state slots
 (padding is slot 0, which every phase masks inside the graph), replays the three
-graphs and reads back accept_lens, predictions and drafts in one host sync. A
+graphs and reads back accept_lens, predictions and drafts in one host sync. Both
+transfers go through host buffers allocated once (``HostTransfers``), pinned on
+a device, so the non_blocking copies stay asynchronous (torch_npu turns a
+non_blocking copy from pageable memory into a stream synchronize). A
 batch larger than the largest bucket is split into bucket-sized chunks, which
 the engine runs one by one; a kind that is not captured runs eagerly over the
 same buffers. Both are counted. Nothing here commits: the engine does, once a
@@ -24,19 +27,30 @@ from typing import Callable, ContextManager
 import torch
 
 from ..progress import progress_bar
-from ..runtime.buffers import RoundPhases
+from ..runtime.buffers import RoundBuffers, RoundPhases
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
 from .emulator import CaptureError
 from .updates import UpdateContext, UpdateRegistry
 
 
+# What a graph round submits to the device, as the counters below name it.
+COUNTED_AS = ("graph replays + staging copies (host->device slots, 1 per chunk) + readback "
+              "copies (device->host, 1 per chunk) + graph updates (1 per recorded "
+              "updatable op) + ops of phases run eagerly")
+
 
 @dataclass
 class ReplayCounters:
+    """Every device submission the runner issues (``SUBMISSIONS``), and the round shapes.
+    The ops of a phase left eager are the bench's to count (``graph.counting``)."""
+
+    SUBMISSIONS = ("graph_replays", "staging_copies", "readback_copies", "graph_updates")
+
     rounds: int = 0  # chunks run (a split round counts each chunk)
     graph_replays: int = 0
-    staging_copies: int = 0  # host->device row copies and the one readback per chunk
-    graph_updates: int = 0  # update() calls before replays
+    staging_copies: int = 0  # host->device copies of the slots, 1 per chunk
+    readback_copies: int = 0  # device->host copies of the readout rows, 1 per chunk
+    graph_updates: int = 0  # task updates: 1 per recorded updatable op of a replayed graph
     eager_fallbacks: int = 0  # phases run eagerly on a graph backend (kind not captured)
     bucket_splits: int = 0  # rounds larger than the largest bucket, split in chunks
     padded_rows: int = 0  # padding requests replayed alongside real ones
@@ -44,6 +58,9 @@ class ReplayCounters:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def submissions(self) -> int:
+        return sum(getattr(self, name) for name in self.SUBMISSIONS)
 
 
 def plan_chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -65,6 +82,48 @@ class RoundResult:
     drafts: list[list[int]]  # [b][S]
 
 
+class HostTransfers:
+    """Host ends of a round's two transfers, allocated once at the largest bucket: the
+    slots upload and the readback. Pinned on cuda/npu (a non_blocking copy from pageable
+    memory is a hidden host sync on torch_npu); plain tensors on CPU, where copies are
+    synchronous. The readback's stream sync is the round's only host sync."""
+
+    def __init__(self, bufs: RoundBuffers):
+        device = bufs.slots.device
+        pinned = device.type in ("cuda", "npu")
+        bmax = bufs.slots.shape[0]
+        self.slots = torch.zeros(bmax, dtype=torch.int64, pin_memory=pinned)  # [Bmax]
+        self._slots = self.slots.numpy()  # written in place on the host: no tensor per round
+        self.out = torch.zeros(bufs.readout.numel(), dtype=torch.int64,
+                               pin_memory=pinned)  # [Bmax*(1+N+S)]
+        self._device = device
+        self._uploading = False  # an upload not yet followed by a readback's sync
+
+    def _sync(self) -> None:
+        """Wait for the current stream: what the round enqueued is done (nothing on CPU)."""
+        if self._device.type != "cpu":
+            torch.get_device_module(self._device).current_stream(self._device).synchronize()
+
+    def upload(self, slots: list[int], bucket: int, dst: torch.Tensor) -> None:
+        """dst[:bucket] <- slots padded with slot 0, one non_blocking host->device copy."""
+        if self._uploading:  # the last round failed before its readback: its upload may
+            self._sync()  # still be reading the buffer this one is about to rewrite
+        b = len(slots)
+        self._slots[:b] = slots
+        self._slots[b:bucket] = 0
+        dst[:bucket].copy_(self.slots[:bucket], non_blocking=True)
+        self._uploading = True
+
+    def readback(self, rows: torch.Tensor) -> list[int]:
+        """Contiguous device rows -> their values: one non_blocking device->host copy,
+        then the one host sync."""
+        size = rows.numel()
+        self.out[:size].view(rows.shape).copy_(rows, non_blocking=True)
+        self._sync()
+        self._uploading = False
+        return self.out[:size].tolist()
+
+
 @dataclass
 class RoundRunner:
     phases: RoundPhases
@@ -80,6 +139,10 @@ class RoundRunner:
     # Profiling hook: tracer(kind, replayed) -> context manager around each phase.
     tracer: Callable[[str, bool], ContextManager] | None = None
     _addresses: dict[str, int] = field(default_factory=dict)
+    _host: HostTransfers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._host = HostTransfers(self.phases.bufs)
 
     @property
     def num_steps(self) -> int:
@@ -99,8 +162,9 @@ class RoundRunner:
             fn = functools.partial(self.phases.run, kind, bucket)
             self._stage([], bucket)  # capture over padding rows only: writes land in row 0
             with torch.no_grad():
-                for _ in range(self.warmup):
-                    fn()
+                with self.backend.warmup_context():  # cuda: the capture's side stream
+                    for _ in range(self.warmup):
+                        fn()
                 graph, record = timed_capture(self.backend, fn, pool, kind, bucket)
             self.graphs[(kind, bucket)] = graph
             self.records.append(record)
@@ -126,8 +190,7 @@ class RoundRunner:
         return plan
 
     def _stage(self, slots: list[int], bucket: int) -> None:
-        padded = slots + [0] * (bucket - len(slots))
-        self.phases.bufs.slots[:bucket].copy_(torch.tensor(padded), non_blocking=True)
+        self._host.upload(slots, bucket, self.phases.bufs.slots)
 
     def run_chunk(self, slots: list[int], lengths: list[int], bucket: int) -> RoundResult:
         """One decode round for requests at state ``slots`` (their committed copies)
@@ -161,17 +224,16 @@ class RoundRunner:
             ctx = UpdateContext(bucket, self.num_steps + 1, tuple(rows) + pad,
                                 tuple(lengths) + pad)
             update = self.updates.derive(graph.update_ops, ctx)
-            c.graph_updates += 1
+            c.graph_updates += len(update)  # the NPU graph updates one task per op
         graph.replay(update)
         c.graph_replays += 1
 
     def _readback(self, b: int) -> RoundResult:
-        """The round's one host sync: accept_lens, predictions and drafts of b requests."""
-        bufs, s = self.phases.bufs, self.num_steps
-        n = s + 1
-        host = torch.cat((bufs.accept_lens[:b], bufs.preds[:b].flatten(),
-                          bufs.draft_tokens[:b].flatten())).tolist()
-        self.counters.staging_copies += 1
-        preds, drafts = host[b:b + b * n], host[b + b * n:]
-        return RoundResult(host[:b], [preds[i * n:(i + 1) * n] for i in range(b)],
-                           [drafts[i * s:(i + 1) * s] for i in range(b)])
+        """The round's one host sync: one copy of b rows [accept_len, preds, drafts]."""
+        bufs, n = self.phases.bufs, self.num_steps + 1
+        host = self._host.readback(bufs.readout[:b])  # [b, 1 + N + S]
+        self.counters.readback_copies += 1
+        w = bufs.readout.shape[1]
+        rows = [host[i * w:(i + 1) * w] for i in range(b)]
+        return RoundResult([r[0] for r in rows], [r[1:1 + n] for r in rows],
+                           [r[1 + n:] for r in rows])

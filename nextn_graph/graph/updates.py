@@ -1,11 +1,16 @@
 """Host-argument updates of captured kernels (NPU graph ``update(cpu_update_input)``).
 
 Some kernels take host-side sequence lengths (fused infer attention's
-``actual_seq_lengths``, paged attention's ``context_lens``); a graph bakes them
+``actual_seq_lengths_kv``, paged attention's ``context_lens``); a graph bakes them
 at capture, so every replay must hand in the current values: one dict per
 recorded updatable op, in capture order. Which ops were recorded is read back
 from the captured graph, and each op's dict is computed by its registered rule
 from the replay's host-side facts: derived, never hard-coded.
+
+On an NPU, torch_npu, not this project, decides which ops are recorded and which
+keys of a dict are applied (its graph op handler table, ``TORCH_NPU_HANDLERS``);
+every other key is ignored without a word, and the kernel keeps its capture-time
+lengths. So the NPU backend checks each rule against that table at capture.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import show_value
 from .emulator import CaptureError
 
 
@@ -26,12 +32,75 @@ class UpdateContext:
     lengths: tuple[int, ...]  # committed length per row, 0 for padding
 
 
+# -- what torch_npu records and updates ---------------------------------------------------
+
+@dataclass(frozen=True)
+class OpHandler:
+    """One entry of torch_npu's graph op handler table.
+
+    Under ``auto_dispatch_capture=True`` torch_npu records a call of a table op, and
+    ``NPUGraph.update`` then applies an update dict to it in two ways only: a key
+    naming one of the recorded call's kwargs replaces that kwarg, and each
+    ``(index, key)`` below replaces ``args[index]`` when the recorded call has that
+    many positional args. Any other key is ignored, silently.
+    """
+
+    args: tuple[tuple[int, str], ...]  # (positional index, update key)
+    layout_at: int | None = None  # FA v3: an input_layout "BNSD" (kwarg or args[i]) bypasses
+
+    def records(self, args, kwargs: dict) -> bool:
+        """Whether torch_npu records this call (FA v3 lets BNSD calls through)."""
+        if self.layout_at is None:
+            return True
+        layout = kwargs.get("input_layout") or (
+            args[self.layout_at] if len(args) > self.layout_at else None)
+        return layout != "BNSD"
+
+
+def _overloads(packet: str, overloads: tuple[str, ...], handler: OpHandler) -> dict:
+    return {name: handler for name in (packet, *(f"{packet}.{o}" for o in overloads))}
+
+
+# torch_npu's table, keyed by ``func.__name__`` as its ``__torch_dispatch__`` looks it up
+# (no namespace: an op of the same overload name from any library is handled alike).
+# Transcribed from github.com/Ascend/pytorch:
+#   torch_npu/npu/_npugraph_handlers/ifa_handler.py @ 2e2ffc1dacf6ab6c353d6de49618d1c370e680e8
+#   torch_npu/npu/_npugraph_handlers/simple_handler.py @ 792a02729df12ecb9d0ce2a546a00ca3b7027991
+#     (its later UPDATE_SPECS form @ 6d0117ffd91b388e90da2f5979ae9c770b182c7f holds the same data)
+#   torch_npu/npu/_npugraph_handlers/_fa3_graph_handler.py
+#     @ 698247022bc610517b2354235af785b51c8da68c
+#     (should_handle: BNSD bypasses; the package __init__ @ 681d2d0bb623 imports only the
+#     IFA and simple handlers, so FA v3 may be unregistered in a given build)
+#   the kwarg rule: _GraphDispatchMode.update_capture_record in torch_npu/npu/graphs.py
+#     @ 0dc3742d22df70b5d5323a6c88ffbbf79cf78568
+# IFA v1/v2 and FA v3 record their ``.default`` calls as ``.out`` (the handler swaps the
+# overload), with the default call's args and kwargs plus ``workspace`` and ``out``.
+TORCH_NPU_HANDLERS: dict[str, OpHandler] = {
+    **_overloads("npu_fused_infer_attention_score", ("default", "out"),
+                 OpHandler(((6, "actual_seq_lengths_kv"),))),
+    **_overloads("npu_fused_infer_attention_score_v2", ("default", "out"),
+                 OpHandler(((8, "actual_seq_kvlen"),))),
+    "_npu_paged_attention.default": OpHandler(((7, "context_lens"),)),
+    "npu_multi_head_latent_attention.out": OpHandler(((5, "context_lens"),)),
+    **_overloads("npu_fusion_attention_v3", ("default", "out"),
+                 OpHandler(((14, "actual_seq_qlen"), (15, "actual_seq_kvlen")), layout_at=4)),
+    **_overloads("npu_fusion_attention_grad_v3", ("default", "out"),
+                 OpHandler(((21, "actual_seq_qlen"), (22, "actual_seq_kvlen")), layout_at=5)),
+}
+
+
+# -- the project's rules ------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class Updatable:
     # How an update dict maps onto the recorded call: ("kwarg", name, key) or
     # ("arg", index, key), the form torch_npu's graph op handlers declare.
     spec: tuple[tuple[str, Any, str], ...]
     rule: Callable[[UpdateContext], dict]  # the dict for this replay
+
+    @property
+    def keys(self) -> set[str]:
+        return {key for _, _, key in self.spec}
 
 
 @dataclass
@@ -52,10 +121,70 @@ class UpdateRegistry:
                                f"is registered for it")
         return entry
 
-    def check(self, op_names: list[str]) -> None:
-        for name in op_names:
-            self._entry(name)
-
     def derive(self, op_names: list[str], ctx: UpdateContext) -> list[dict]:
         """One update dict per recorded op, from the rules of what was captured."""
-        return [self._entry(name).rule(ctx) for name in op_names]
+        dicts = []
+        for name in op_names:
+            entry = self._entry(name)
+            update = entry.rule(ctx)
+            if not set(update) <= entry.keys:  # an undeclared key would be dropped
+                raise CaptureError(f"update rule for {name!r} returned key(s) "
+                                   f"{sorted(set(update) - entry.keys)} its spec does not "
+                                   f"declare (declared: {sorted(entry.keys)})")
+            dicts.append(update)
+        return dicts
+
+    # -- against torch_npu's handler table ------------------------------------------
+    def check_torch_npu_rules(self, handlers: dict[str, OpHandler] = TORCH_NPU_HANDLERS) -> None:
+        """Refuse every rule torch_npu would not apply: its op is not in the table, a
+        kwarg is fed from a key of another name, or an arg slot is not the table's."""
+        for op_name, entry in self.ops.items():
+            names = [n for n in handlers if op_name in (n, n.split(".")[0])]
+            if not names:
+                raise CaptureError(
+                    f"update rule for {op_name!r}: torch_npu's graph op handlers never record "
+                    f"this op, so on an NPU its host arguments would stay as captured; "
+                    f"updatable ops: {sorted({n.split('.')[0] for n in handlers})}")
+            packet = op_name.split(".")[0]
+            if op_name == f"{packet}.default" and f"{packet}.out" in handlers:
+                raise CaptureError(
+                    f"update rule for {op_name!r}: torch_npu records {op_name} calls as "
+                    f"{packet}.out, so register the rule under {packet!r}")
+            for kind, where, key in entry.spec:
+                if kind == "kwarg" and where != key:
+                    raise CaptureError(
+                        f"update rule for {op_name!r}, key {key!r}: torch_npu replaces a "
+                        f"kwarg only from the update key of its own name, so kwarg "
+                        f"{where!r} needs key {where!r}; key {key!r} would be ignored")
+                if kind == "arg":
+                    for name in names:
+                        if (where, key) not in handlers[name].args:
+                            raise CaptureError(
+                                f"update rule for {op_name!r}, key {key!r}: torch_npu applies "
+                                f"positional updates of {name} only as {handlers[name].args} "
+                                f"(index, key); ('arg', {where}, {key!r}) would be ignored")
+                if kind not in ("kwarg", "arg"):
+                    raise CaptureError(f"update rule for {op_name!r}: spec kind {kind!r} is "
+                                       f"neither 'kwarg' nor 'arg'")
+
+    def check_torch_npu_records(self, records: list,
+                                handlers: dict[str, OpHandler] = TORCH_NPU_HANDLERS) -> None:
+        """Each recorded op (torch_npu's ``graph_dispatch_records``) has a rule, and every
+        key of it lands: a kwarg the recorded call holds, an arg slot the call reaches."""
+        for rec in records:
+            name = rec.op_cache_entry.__name__
+            entry = self._entry(name)
+            if name not in handlers:
+                raise CaptureError(f"graph recorded {name!r}, which torch_npu's handler table "
+                                   f"as transcribed here does not hold; its updates are unknown")
+            for kind, where, key in entry.spec:
+                if kind == "kwarg" and key not in rec.kwargs:
+                    raise CaptureError(
+                        f"update rule for {name!r}, key {key!r}: the recorded call holds no "
+                        f"kwarg {key!r} (it holds {show_value(sorted(rec.kwargs))}), so "
+                        f"torch_npu would ignore the key; pass {key!r} at capture")
+                if kind == "arg" and len(rec.args) <= where:
+                    raise CaptureError(
+                        f"update rule for {name!r}, key {key!r}: it targets args[{where}] but "
+                        f"the recorded call has {len(rec.args)} positional arg(s), so torch_npu "
+                        f"would ignore the key")

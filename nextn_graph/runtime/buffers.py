@@ -80,21 +80,25 @@ class RequestState:
 @dataclass(frozen=True)
 class RoundBuffers:
     slots: torch.Tensor  # [Bmax] committed state slots of this round's requests, 0 = padding
-    draft_tokens: torch.Tensor  # [Bmax, S] the rollout's candidates
-    preds: torch.Tensor  # [Bmax, N] target predictions over the verify window
     hidden: torch.Tensor  # [Bmax*N, hc*H] verify pre_hc_head
-    accept_lens: torch.Tensor  # [Bmax] in [1, N]
+    # What the host reads back, one row per request, so a chunk's readback is one
+    # copy of the leading rows; the three fields below are column views of it.
+    readout: torch.Tensor  # [Bmax, 1 + N + S]
+    accept_lens: torch.Tensor  # [Bmax] in [1, N]            readout[:, 0]
+    preds: torch.Tensor  # [Bmax, N] target predictions      readout[:, 1:1+N]
+    draft_tokens: torch.Tensor  # [Bmax, S] the candidates   readout[:, 1+N:]
 
     @staticmethod
     def allocate(max_batch: int, num_steps: int, hc_dim: int, device, dtype) -> "RoundBuffers":
         n = num_steps + 1
         long = dict(dtype=torch.int64, device=device)
+        readout = torch.zeros(max_batch, 1 + n + num_steps, **long)
+        readout[:, 0] = 1
         return RoundBuffers(
             slots=torch.zeros(max_batch, **long),
-            draft_tokens=torch.zeros(max_batch, num_steps, **long),
-            preds=torch.zeros(max_batch, n, **long),
             hidden=torch.zeros(max_batch * n, hc_dim, device=device, dtype=dtype),
-            accept_lens=torch.ones(max_batch, **long))
+            readout=readout, accept_lens=readout[:, 0], preds=readout[:, 1:1 + n],
+            draft_tokens=readout[:, 1 + n:])
 
 
 @dataclass(frozen=True)

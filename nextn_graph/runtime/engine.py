@@ -116,7 +116,8 @@ class SpecEngine:
         bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
                                      self.device, dtype)
         updates = updates or UpdateRegistry()
-        backend = backend or make_backend(graph.backend, updates)
+        backend = backend or make_backend(graph.backend, updates,
+                                          compile_backend=graph.compile_backend)
         self.runner = RoundRunner(
             RoundPhases(self.models, self.state, bufs, self.num_steps), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,

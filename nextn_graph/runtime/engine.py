@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -40,46 +39,10 @@ from ..graph.runner import RoundRunner
 from ..graph.updates import UpdateRegistry
 from . import phases
 from .buffers import RequestState, RoundBuffers, RoundPhases
+from .request import Request, StepOutput
 from .stats import SpecStats
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Request:
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    output: list[int] = field(default_factory=list)
-    row: int = 0  # pool request row once admitted (0 = not yet)
-    copy: int = 0  # which of the row's two state copies holds the committed state
-    finished: bool = False
-
-    @property
-    def committed(self) -> int:
-        """Committed length L: all output but the bonus has target KV."""
-        return len(self.prompt) + len(self.output) - 1
-
-    def emit(self, tokens: Iterable[int]) -> list[int]:
-        """Append tokens up to a stop token or max_new_tokens; return what was kept."""
-        kept = []
-        for tok in tokens:
-            kept.append(tok)
-            if tok in self.stop_ids or len(self.output) + len(kept) >= self.max_new_tokens:
-                self.finished = True
-                break
-        self.output.extend(kept)
-        return kept
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    rid: int
-    new_tokens: list[int]  # committed this step, after stop / length cuts
-    finished: bool
-    draft_tokens: list[int]  # the candidates proposed this round (empty at prefill)
-    error: str | None = None  # set when a fault failed the request (finished too)
-
 
 class SpecEngine:
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,

@@ -1,0 +1,48 @@
+"""A request's host-side record, and what a step returns for it.
+
+The host's record is the source of truth: ``output`` holds every committed token,
+so the committed length and the bonus token follow from it; the device state of
+the request lives in its pool row's committed copy (``copy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    row: int = 0  # pool request row once admitted (0 = not yet)
+    copy: int = 0  # which of the row's two state copies holds the committed state
+    finished: bool = False
+
+    @property
+    def committed(self) -> int:
+        """Committed length L: all output but the bonus has target KV."""
+        return len(self.prompt) + len(self.output) - 1
+
+    def emit(self, tokens: Iterable[int]) -> list[int]:
+        """Append tokens up to a stop token or max_new_tokens; return what was kept."""
+        kept = []
+        for tok in tokens:
+            kept.append(tok)
+            if tok in self.stop_ids or len(self.output) + len(kept) >= self.max_new_tokens:
+                self.finished = True
+                break
+        self.output.extend(kept)
+        return kept
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    rid: int
+    new_tokens: list[int]  # committed this step, after stop / length cuts
+    finished: bool
+    draft_tokens: list[int]  # the candidates proposed this round (empty at prefill)
+    error: str | None = None  # set when a fault failed the request (finished too)

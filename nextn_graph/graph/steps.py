@@ -42,13 +42,16 @@ def out_variant(func) -> tuple[Any, tuple[str, ...]] | None:
 
 
 def precast_scalars(func, args, dtype: torch.dtype) -> tuple:
-    """Python numbers in Tensor slots (PyTorch's wrapped scalars) become 0-dim tensors
-    of the float output dtype, once: the kernel would wrap and cast them on every
-    replay, and it computes in the output dtype either way (bitwise the same)."""
+    """Python numbers in Tensor slots (PyTorch's wrapped scalars) become 0-dim tensors,
+    once: the kernel would wrap and convert them on every replay. They are cast to the
+    op's compute dtype (fp32 for bf16/fp16 outputs), not the output dtype: eager
+    multiplies a bf16 tensor by the scalar in fp32, so a bf16-rounded scalar would
+    change results (a 0-dim tensor never changes the promoted output dtype)."""
     if not dtype.is_floating_point:
         return tuple(args)
+    compute = torch.promote_types(dtype, torch.float32)  # opmath: fp32, or fp64 for fp64
     slots = [str(a.type) == "Tensor" for a in func._schema.arguments]
-    return tuple(torch.tensor(a, dtype=dtype) if i < len(slots) and slots[i] and isinstance(
+    return tuple(torch.tensor(a, dtype=compute) if i < len(slots) and slots[i] and isinstance(
         a, (int, float)) and not isinstance(a, bool) else a for i, a in enumerate(args))
 
 

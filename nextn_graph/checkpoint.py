@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from .errors import CheckpointError
 from .model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig, load_config
 from .presets import init_random, storage_dtype
+from .textfile import parse_json, read_text
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -58,10 +59,7 @@ def expected_state(models: LoadedModel) -> dict[str, torch.Tensor]:
 
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` of an index: tensor name -> shard file name in the same dir."""
-    try:
-        raw = json.loads(index.read_text())
-    except (ValueError, RecursionError) as exc:  # malformed JSON, bad UTF-8, absurd nesting
-        raise CheckpointError(f"{index}: not valid JSON ({str(exc)[:80]})") from None
+    raw = parse_json(read_text(index, "index", CheckpointError), str(index), CheckpointError)
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,6 +25,7 @@ from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError, show_value
 from .generate import plain_generate, reference_generate, validate_prompts
 from .presets import PRESETS, preset_config
+from .textfile import parse_json, read_text
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
 SEED_LIMIT = 2**63  # torch generators take a 64-bit seed
@@ -44,66 +46,33 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
     return save_checkpoint(random_models(preset_config(preset), seed), out, max_shard_bytes)
 
 
-def _read_text(path: Path, what: str) -> str:
-    """A UTF-8 text file; a missing file, a directory or undecodable bytes are named errors."""
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory, not a {what}")
-    if not path.exists():
-        raise InputError(f"{path}: {what} not found")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at "
-                         f"byte offset {exc.start})") from None
-
-
 PROMPT_KEYS = ("input_ids",)  # per-request settings are options of the command, not keys
 
 
-class _DuplicateKey(ValueError):
-    pass
+def _unique_keys(where: str) -> Callable[[list], dict]:
+    """A JSON object hook: the pairs as a dict; a repeated key would silently keep the last."""
+    def hook(pairs: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                raise InputError(f"{where}: duplicate key {show_value(key)}")
+            out[key] = value
+        return out
 
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object's pairs as a dict; a repeated key would silently keep the last."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-def _prompt_row(line: str, where: str) -> object:
-    """One JSONL line, parsed strictly: duplicate keys and absurd nesting are named."""
-    try:
-        return json.loads(line, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
-        raise InputError(f"{where}: duplicate key {show_value(exc.args[0])}") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: malformed JSON ({exc.msg})") from None
-    except ValueError as exc:  # an integer literal too long to convert
-        raise InputError(f"{where}: malformed JSON ({str(exc)[:120]})") from None
-    except RecursionError:
-        raise InputError(f"{where}: malformed JSON (nested too deeply)") from None
+    return hook
 
 
 def read_prompts(path: str | Path) -> list[list[int]]:
     """JSONL, one ``{"input_ids": [...]}`` per line; blank lines are skipped. Any other
     key (``max_new_tokens``, ``stop_ids``) is refused rather than silently ignored."""
     path = Path(path)
-    text = _read_text(path, "prompts file")
+    text = read_text(path, "prompts file", InputError)
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        row = _prompt_row(line, where)
+        row = parse_json(line, where, InputError, _unique_keys(where))
         unknown = [k for k in row if k not in PROMPT_KEYS] if isinstance(row, dict) else []
         if unknown:
             raise InputError(f"{where}: unknown key {show_value(unknown[0])} (each line is "

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from .errors import ConfigError, show_value
+from .textfile import read_text
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,7 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _read_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = read_text(path, "config file", ConfigError)
     loader = _StrictLoader(text, str(path))
     try:
         return loader.get_single_data()

@@ -21,14 +21,19 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 256, (n,), generator=gen).tolist()
 
 
+def _test_op(name: str, schema: str, impl):
+    """``torch.ops.nextn_test.<name>``, defined once per interpreter with a CPU kernel."""
+    packet = getattr(torch.ops, SEQLEN_NS)
+    if not hasattr(packet, name):
+        torch.library.define(f"{SEQLEN_NS}::{name}", schema)
+        torch.library.impl(f"{SEQLEN_NS}::{name}", "cpu", func=impl)
+    return getattr(packet, name)
+
+
 def seqlen_op():
     """A custom op taking host sequence lengths: x * sum(lens), static output shape."""
-    packet = getattr(torch.ops, SEQLEN_NS)
-    if not hasattr(packet, SEQLEN_OP):  # defined once per interpreter
-        torch.library.define(f"{SEQLEN_NS}::{SEQLEN_OP}", "(Tensor x, int[] lens) -> Tensor")
-        torch.library.impl(f"{SEQLEN_NS}::{SEQLEN_OP}", "cpu",
-                           func=lambda x, lens: x * sum(lens))
-    return getattr(packet, SEQLEN_OP)
+    return _test_op(SEQLEN_OP, "(Tensor x, int[] lens) -> Tensor",
+                    lambda x, lens: x * sum(lens))
 
 
 def seqlen_registry() -> UpdateRegistry:
@@ -103,16 +108,10 @@ IFA_OP, PA_OP = "npu_fused_infer_attention_score", "_npu_paged_attention"
 def ifa_standin():
     """Fused infer attention v1, BSH with one head: row b attends to its first
     ``actual_seq_lengths_kv[b]`` keys (a kwarg-only host list, as in torch_npu)."""
-    packet = getattr(torch.ops, SEQLEN_NS)
-    if not hasattr(packet, IFA_OP):
-        torch.library.define(
-            f"{SEQLEN_NS}::{IFA_OP}",
-            "(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
-            "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
-            "SymInt[]? actual_seq_lengths_kv=None, int num_heads=1, float scale=1.0, "
-            "str input_layout=\"BSH\") -> (Tensor, Tensor)")
-        torch.library.impl(f"{SEQLEN_NS}::{IFA_OP}", "cpu", func=_ifa_cpu)
-    return getattr(packet, IFA_OP)
+    return _test_op(IFA_OP, "(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+                    "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
+                    "SymInt[]? actual_seq_lengths_kv=None, int num_heads=1, float scale=1.0, "
+                    "str input_layout=\"BSH\") -> (Tensor, Tensor)", _ifa_cpu)
 
 
 def _ifa_cpu(query, key, value, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
@@ -128,15 +127,10 @@ def _ifa_cpu(query, key, value, pse_shift=None, atten_mask=None, actual_seq_leng
 def pa_standin():
     """ATB paged attention: token t attends to the first ``context_lens[t]`` cached tokens
     of its block table; ``context_lens`` a host int32 tensor at positional slot 7."""
-    packet = getattr(torch.ops, SEQLEN_NS)
-    if not hasattr(packet, PA_OP):
-        torch.library.define(
-            f"{SEQLEN_NS}::{PA_OP}",
-            "(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
-            "int num_heads, float scale_value, Tensor block_table, Tensor context_lens, "
-            "Tensor(a!) out, *, Tensor? workspace=None) -> ()")
-        torch.library.impl(f"{SEQLEN_NS}::{PA_OP}", "cpu", func=_pa_cpu)
-    return getattr(packet, PA_OP)
+    return _test_op(PA_OP, "(Tensor query, Tensor key_cache, Tensor value_cache, "
+                    "int num_kv_heads, int num_heads, float scale_value, Tensor block_table, "
+                    "Tensor context_lens, Tensor(a!) out, *, Tensor? workspace=None) -> ()",
+                    _pa_cpu)
 
 
 def _pa_cpu(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,

@@ -30,7 +30,6 @@ from hypothesis import given, settings, strategies as st
 from nextn_graph.cli import main
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.generate import reference_generate
-from nextn_graph.graph.emulator import CaptureError
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.oracle import reference_candidates
 

@@ -7,7 +7,6 @@ unsupported MTP layout is a ``ConfigError`` naming the file and the key.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, show_value
+from ..textfile import parse_json, read_text
 
 INT64_LIMIT = 2**63  # every integer key is a tensor size, index or count
 # Compress ratios a layer may use: 0 = sliding window only, 4 = C4 (overlapped,
@@ -338,23 +338,5 @@ def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at byte "
-                          f"offset {exc.start})") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({str(exc)[:200]})") from None
-    except ValueError as exc:  # an integer literal too long to convert
-        raise ConfigError(f"{path}: invalid JSON ({str(exc)[:200]})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: invalid JSON (nested too deeply)") from None
+    raw = parse_json(read_text(path, "config", ConfigError), str(path), ConfigError)
     return config_from_dict(raw, str(path))

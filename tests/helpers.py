@@ -21,7 +21,7 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 256, (n,), generator=gen).tolist()
 
 
-def _test_op(name: str, schema: str, impl):
+def define_op(name: str, schema: str, impl):
     """``torch.ops.nextn_test.<name>``, defined once per interpreter with a CPU kernel."""
     packet = getattr(torch.ops, SEQLEN_NS)
     if not hasattr(packet, name):
@@ -32,7 +32,7 @@ def _test_op(name: str, schema: str, impl):
 
 def seqlen_op():
     """A custom op taking host sequence lengths: x * sum(lens), static output shape."""
-    return _test_op(SEQLEN_OP, "(Tensor x, int[] lens) -> Tensor",
+    return define_op(SEQLEN_OP, "(Tensor x, int[] lens) -> Tensor",
                     lambda x, lens: x * sum(lens))
 
 
@@ -108,7 +108,7 @@ IFA_OP, PA_OP = "npu_fused_infer_attention_score", "_npu_paged_attention"
 def ifa_standin():
     """Fused infer attention v1, BSH with one head: row b attends to its first
     ``actual_seq_lengths_kv[b]`` keys (a kwarg-only host list, as in torch_npu)."""
-    return _test_op(IFA_OP, "(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+    return define_op(IFA_OP, "(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
                     "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
                     "SymInt[]? actual_seq_lengths_kv=None, int num_heads=1, float scale=1.0, "
                     "str input_layout=\"BSH\") -> (Tensor, Tensor)", _ifa_cpu)
@@ -127,7 +127,7 @@ def _ifa_cpu(query, key, value, pse_shift=None, atten_mask=None, actual_seq_leng
 def pa_standin():
     """ATB paged attention: token t attends to the first ``context_lens[t]`` cached tokens
     of its block table; ``context_lens`` a host int32 tensor at positional slot 7."""
-    return _test_op(PA_OP, "(Tensor query, Tensor key_cache, Tensor value_cache, "
+    return define_op(PA_OP, "(Tensor query, Tensor key_cache, Tensor value_cache, "
                     "int num_kv_heads, int num_heads, float scale_value, Tensor block_table, "
                     "Tensor context_lens, Tensor(a!) out, *, Tensor? workspace=None) -> ()",
                     _pa_cpu)

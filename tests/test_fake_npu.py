@@ -16,18 +16,8 @@ import torch
 
 from nextn_graph.graph.fake_npu import make_fake_npu
 
-from helpers import IFA_OP, PA_OP, ifa_inputs, ifa_standin, pa_inputs, pa_standin, seqlen_op
-
-NS = "nextn_test"
-
-
-def _library_op(name: str, schema: str, impl):
-    """A test op of that name (defined once per interpreter)."""
-    packet = getattr(torch.ops, NS)
-    if not hasattr(packet, name):
-        torch.library.define(f"{NS}::{name}", schema)
-        torch.library.impl(f"{NS}::{name}", "cpu", func=impl)
-    return getattr(packet, name)
+from helpers import (IFA_OP, PA_OP, ifa_inputs, ifa_standin, pa_inputs, pa_standin, seqlen_op,
+                     define_op)
 
 
 def _capture(fake, fn, auto: bool = True):
@@ -47,7 +37,7 @@ def test_fake_records_exactly_the_ops_of_torch_npus_handler_table():
     """Only table ops are recorded: IFA .default and paged attention .default are; a custom
     host-list op, and an MLA .default (torch_npu registers only MLA .out), are not."""
     ifa, pa, seq = ifa_standin(), pa_standin(), seqlen_op()
-    mla = _library_op("npu_multi_head_latent_attention",
+    mla = define_op("npu_multi_head_latent_attention",
                       "(Tensor x, Tensor context_lens) -> Tensor",
                       lambda x, context_lens: x * context_lens.sum())
     q, k, v = ifa_inputs()
@@ -71,7 +61,7 @@ def test_fake_records_exactly_the_ops_of_torch_npus_handler_table():
 
 def test_fake_skips_fa3_calls_in_bnsd_layout_as_torch_npu_does():
     """FA v3 is recorded unless its input_layout is BNSD (its handler's should_handle)."""
-    fa3 = _library_op("npu_fusion_attention_v3",
+    fa3 = define_op("npu_fusion_attention_v3",
                       "(Tensor query, Tensor key, Tensor value, int head_num, "
                       "str input_layout) -> Tensor",
                       lambda q, k, v, head_num, input_layout: q + k + v)

@@ -204,16 +204,15 @@ class RoundRunner:
         c.staging_copies += 1
         if self.debug_check_addresses and self.graphs:
             self._check_addresses()
-        rows = [s % self.phases.state.rows for s in slots]
         for kind in self._round_kinds():
             graph = self.graphs.get((kind, bucket))
             with self.tracer(kind, graph is not None) if self.tracer else nullcontext():
-                self._run_phase(kind, bucket, graph, rows, lengths)
+                self._run_phase(kind, bucket, graph, slots, lengths)
         return self._readback(b)
 
-    def _run_phase(self, kind: str, bucket: int, graph: Graph | None, rows: list[int],
+    def _run_phase(self, kind: str, bucket: int, graph: Graph | None, slots: list[int],
                    lengths: list[int]) -> None:
-        c, b = self.counters, len(rows)
+        c, b = self.counters, len(slots)
         if graph is None:
             self.phases.run(kind, bucket)
             c.eager_fallbacks += int(self.backend.captures)
@@ -221,8 +220,8 @@ class RoundRunner:
         update = None
         if graph.update_ops:
             pad = (0,) * (bucket - b)
-            ctx = UpdateContext(bucket, self.num_steps + 1, tuple(rows) + pad,
-                                tuple(lengths) + pad)
+            rows = tuple(s % self.phases.state.rows for s in slots)  # pool rows of the slots
+            ctx = UpdateContext(bucket, self.num_steps + 1, rows + pad, tuple(lengths) + pad)
             update = self.updates.derive(graph.update_ops, ctx)
             c.graph_updates += len(update)  # the NPU graph updates one task per op
         graph.replay(update)

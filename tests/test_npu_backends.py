@@ -194,6 +194,8 @@ class _FakeTorchair:
     class CompilerConfig:
         def __init__(self):
             self.mode = "max-autotune"
+            # torchair's default: copy every graph input on each replay
+            self.debug = SimpleNamespace(aclgraph=SimpleNamespace(clone_input=True))
 
     def __init__(self):
         self.configs = []
@@ -219,13 +221,14 @@ def test_torchair_compiler_follows_what_torch_npu_offers():
     mode; npugraph_ex without it, or a non-Ascend compile_backend, is a ConfigError."""
     fake = _FakeTorchair()
     kw = dict(namespace=_npu_namespace(), torchair=fake)
-    assert torchair_backend("auto", lookup=_registered("npugraph_ex"), **kw).compiler.label == \
-        "npugraph_ex"
+    ex = torchair_backend("auto", lookup=_registered("npugraph_ex"), **kw).compiler
+    assert ex.label == "npugraph_ex" and ex.backend.keywords == {"options": {"clone_input": False}}
     assert fake.configs == []  # npugraph_ex is a registered backend: no torchair config
     for choice in ("auto", "reduce-overhead"):
         backend = torchair_backend(choice, lookup=_registered(), **kw)
         assert backend.name == "torchair" and backend.compiler.label == "torchair reduce-overhead"
         assert fake.configs[-1].mode == "reduce-overhead"
+        assert fake.configs[-1].debug.aclgraph.clone_input is False  # inputs are static
     with pytest.raises(ConfigError, match="registers no 'npugraph_ex'.*reduce-overhead"):
         torchair_backend("npugraph_ex", lookup=_registered(), **kw)
     for bad in ("inductor", "aot_eager"):

@@ -103,9 +103,15 @@ def torchair_compiler(choice: str, torchair: Any,
             raise ConfigError("graph backend 'torchair': the installed torch_npu registers no "
                               "'npugraph_ex' Dynamo backend; set graph.compile_backend to "
                               "reduce-overhead (or auto), or install a newer torch_npu")
-        return Compiler("npugraph_ex", npugraph_ex)
+        # Every input is a static tensor the graph reads in place (state tables, round
+        # buffers, KV pools): torchair's default clone_input=True would copy each one on
+        # every replay (torchair configs/npugraphex_config.py maps it to
+        # debug.aclgraph.clone_input).
+        return Compiler("npugraph_ex", functools.partial(npugraph_ex,
+                                                         options={"clone_input": False}))
     config = torchair.CompilerConfig()
     config.mode = "reduce-overhead"  # aclgraph capture of the compiled FX graph
+    config.debug.aclgraph.clone_input = False  # as above: inputs are static, never copied
     return Compiler("torchair reduce-overhead", torchair.get_npu_backend(compiler_config=config))
 
 

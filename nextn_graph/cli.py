@@ -19,7 +19,7 @@ import torch
 from .bench import BenchSettings, run_bench
 from .bench.report import table
 from .checkpoint import load_checkpoint, random_models, save_checkpoint
-from .config import GRAPH_BACKENDS, TORCH_DTYPES, RunConfig, load_run_config
+from .config import COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, RunConfig, load_run_config
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError, show_value
@@ -178,7 +178,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     """The main job: the replay benchmark on the config (default: the embedded CPU one)."""
     cfg = load_run_config(args.config, checkpoint=args.checkpoint,
-                          graph={"backend": args.backend})
+                          graph={"backend": args.backend},
+                          bench={"compile_peer": args.compile_peer})
     _check_device(cfg.device)
     _pin_threads(args.threads, cfg.device)
     st = BenchSettings(warmup_rounds=args.warmup_rounds, timed_rounds=args.rounds,
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", help="override the config's checkpoint")
     bench.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                        help="graph backend to compare against eager")
+    bench.add_argument("--compile-peer", choices=("none",) + COMPILE_BACKENDS, default=None,
+                       help="also bench torch.compile'd graphs with this compile backend "
+                            "beside the config's graphs (YAML bench.compile_peer)")
     bench.add_argument("--rounds", type=POSITIVE, default=24, help="timed steady rounds per run")
     bench.add_argument("--warmup-rounds", type=NON_NEGATIVE, default=3)
     bench.add_argument("--repeats", type=POSITIVE, default=3, help="runs per mode, for a median")

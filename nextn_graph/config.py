@@ -67,6 +67,13 @@ class GraphConfig:
 
 
 @dataclass(frozen=True)
+class BenchConfig:
+    # Also bench backend compile with this compile_backend, beside the config's graphs:
+    # the peer a user would pick instead of hand-captured graphs. none | COMPILE_BACKENDS
+    compile_peer: str = "none"
+
+
+@dataclass(frozen=True)
 class RunConfig:
     checkpoint: str = "builtin:tiny-trained"  # a directory, or builtin:NAME
     dtype: str = "fp32"  # fp32 | bf16
@@ -74,6 +81,7 @@ class RunConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,7 +89,8 @@ class RunConfig:
 
 
 _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
-            "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS}
+            "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS,
+            "compile_peer": ("none",) + COMPILE_BACKENDS}
 
 
 _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
@@ -246,7 +255,8 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
     return dataclasses.replace(cfg, speculative=spec, graph=graph)
 
 
-def resolve_compile(graph: GraphConfig, device: str, where: str) -> GraphConfig:
+def resolve_compile(graph: GraphConfig, device: str, where: str,
+                    key: str = "graph.compile_backend") -> GraphConfig:
     """``compile`` on Ascend is ``torchair``; ``auto`` is inductor on CPU and CUDA (on
     Ascend torchair picks at start-up: npugraph_ex where torch_npu offers it, else its
     reduce-overhead mode); a compile_backend the device cannot run is refused."""
@@ -257,10 +267,28 @@ def resolve_compile(graph: GraphConfig, device: str, where: str) -> GraphConfig:
     if choice == "auto" and device != "npu":
         choice = "inductor"
     if choice not in _COMPILE_ON[device]:
-        raise ConfigError(f"{where}: key 'graph.compile_backend' {graph.compile_backend!r} "
-                          f"cannot run on device {device!r} (graph backend {backend!r}); "
-                          f"choose from {_COMPILE_ON[device]}")
+        raise ConfigError(f"{where}: key {key!r} {graph.compile_backend!r} cannot run on "
+                          f"device {device!r} (graph backend {backend!r}); choose from "
+                          f"{_COMPILE_ON[device]}")
     return dataclasses.replace(graph, backend=backend, compile_backend=choice)
+
+
+def compile_peer(cfg: RunConfig, where: str = "config") -> GraphConfig | None:
+    """The graph config of the bench's compile peer (``bench.compile_peer``): the config's
+    graphs (buckets, kinds, warm-up) on backend ``compile`` (``torchair`` on Ascend); None
+    when there is none. A peer must differ from the backend it is compared with.
+    Checked by the bench before any work, not at load: a bench-only key must not stop
+    ``generate`` on a config moved to another device."""
+    peer = cfg.bench.compile_peer
+    if peer == "none":
+        return None
+    if cfg.graph.backend in ("compile", "torchair"):
+        raise ConfigError(f"{where}: key 'bench.compile_peer' {peer!r}: the graph backend is "
+                          f"already {cfg.graph.backend!r}, so there is nothing to compare "
+                          f"(set bench.compile_peer to none, or graph.backend to a "
+                          f"hand-captured backend)")
+    graph = dataclasses.replace(cfg.graph, backend="compile", compile_backend=peer)
+    return resolve_compile(graph, cfg.device, where, key="bench.compile_peer")
 
 
 def resolve_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> GraphConfig:

@@ -5,7 +5,8 @@
 1. versions (python, torch, CUDA, the GPU);
 2. the CUDA-marked tests (`pytest -m cuda`: graph parity, pinned transfers,
    side-stream capture, the compile backend on inductor / reduce-overhead);
-3. the replay benchmark on `capture_configs/cuda.yaml` (tiny trained checkpoint);
+3. the replay benchmark on `capture_configs/cuda.yaml` (tiny trained checkpoint),
+   with its torch.compile peer (reduce-overhead) unless ``--compile-peer none``;
 4. the `flash-slice` checkpoint written once, then the benchmark on
    `capture_configs/flash_slice_cuda.yaml` (real DeepSeek-V4-Flash widths).
 
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--rounds", default="32", help="timed rounds per bench run")
     ap.add_argument("--repeats", default="3", help="bench runs per mode")
+    ap.add_argument("--compile-peer", default=None,
+                    help="override the configs' bench.compile_peer (none: skip the torch.compile "
+                         "peer, whose inductor compiles take minutes)")
     ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "bench", "flash"),
                     help="steps to leave out (e.g. flash where the host RAM is short)")
     args = ap.parse_args(argv)
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     timed = ("--rounds", args.rounds, "--repeats", args.repeats)
+    if args.compile_peer is not None:
+        timed += ("--compile-peer", args.compile_peer)
     result: dict = {"versions": versions(), "device": args.device, "steps": {}}
     steps = result["steps"]
     if "tests" not in args.skip:

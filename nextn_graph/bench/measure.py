@@ -2,7 +2,9 @@
 
 For every bucket B of the config, B requests run side by side on four engines
 built once: speculative and plain decoding, each eager and on the config's
-graph backend. After warm-up, each steady round (all B requests running, no
+graph backend; with ``bench.compile_peer`` a fifth, speculative decoding on
+``torch.compile``d graphs (the peer a user would pick instead of hand-captured
+graphs), counted by a profiler over the whole round (``compiled_counter``). After warm-up, each steady round (all B requests running, no
 admission) is timed on the host; one more round is counted by one counter
 (``count_round``), split by phase: kernel-launching ops in eager mode; in graph
 mode the runner's counters (replays, staging and readback copies, updates) plus
@@ -20,9 +22,10 @@ from typing import Callable
 
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, compile_peer
 from ..errors import ConfigError
-from ..graph.counting import OUTSIDE_PHASES, RoundCounter, launch_counter
+from ..graph.counting import (OUTSIDE_PHASES, RoundCounter, compiled_counter,
+                              counts_every_launch, launch_counter)
 from ..graph.runner import COUNTED_AS
 from ..runtime.engine import SpecEngine
 from ..train import Corpus, TrainSettings
@@ -52,6 +55,7 @@ class Engines:
     eager_plain: SpecEngine
     graph_spec: SpecEngine | None
     graph_plain: SpecEngine | None
+    compile_spec: SpecEngine | None = None  # the compile peer (bench.compile_peer)
 
     @property
     def has_graphs(self) -> bool:
@@ -73,18 +77,22 @@ def build_engines(models, cfg: RunConfig, progress: bool) -> Engines:
         return SpecEngine(models.target, models.draft, spec, cfg.pool, graph, **kwargs)
 
     graphs = cfg.graph.backend != "eager"
+    peer = compile_peer(cfg)
     return Engines(
         eager_spec=engine(cfg.speculative, eager), eager_plain=engine(None, eager),
         graph_spec=engine(cfg.speculative, cfg.graph, progress=progress) if graphs else None,
-        graph_plain=engine(None, cfg.graph, progress=progress) if graphs else None)
+        graph_plain=engine(None, cfg.graph, progress=progress) if graphs else None,
+        compile_spec=engine(cfg.speculative, peer, progress=progress) if peer else None)
 
 
-def count_round(runner, step: Callable[[], object], counter: RoundCounter) -> dict:
+def count_round(runner, step: Callable[[], object], counter: RoundCounter,
+                trace_replays: bool = False) -> dict:
     """Run ``step`` (one round) under ``counter``, the round's only counter: every
     submission, split by the phases that ran eagerly (a replayed phase is one submission,
-    the runner's to count) and ``OUTSIDE_PHASES`` for the rest (staging, readback)."""
+    the runner's to count) and ``OUTSIDE_PHASES`` for the rest (staging, readback).
+    ``trace_replays``: replays are phases too (a compiled graph's call is many launches)."""
     def tracer(kind: str, replayed: bool):
-        return nullcontext() if replayed else counter.phase(kind)
+        return nullcontext() if replayed and not trace_replays else counter.phase(kind)
 
     runner.tracer = tracer
     try:
@@ -97,12 +105,24 @@ def count_round(runner, step: Callable[[], object], counter: RoundCounter) -> di
             "outside_phases": per_phase.pop(OUTSIDE_PHASES, 0), "phases": per_phase}
 
 
+def _steady(outs: list, n: int) -> list:
+    """A steady round's outputs: one per request, none finished (a failure is named)."""
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"benchmark round failed: {errors[0]}")
+    if len(outs) != n or any(o.finished for o in outs):
+        raise RuntimeError("benchmark round was not steady (a request finished early)")
+    return outs
+
+
 def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
-            counter: Callable[[str], RoundCounter] = launch_counter) -> dict:
+            counter: Callable[[str], RoundCounter] = launch_counter,
+            trace_replays: bool = False) -> dict:
     """Steady rounds of ``len(prompts)`` requests on one engine; ``counter(device)``
-    makes the counter of the counted round."""
-    rounds = 1 + st.warmup_rounds + st.timed_rounds + 1
-    max_new = rounds * (engine.num_steps + 1) + 1  # nobody finishes inside the window
+    makes the counter of the counted round (``count_round``'s ``trace_replays``)."""
+    rounds = 1 + st.warmup_rounds + st.timed_rounds + 1  # first, warm-up, timed, counted
+    # nobody finishes inside the window: up to S + 1 tokens a round, + the prefill's token
+    max_new = rounds * (engine.num_steps + 1) + 2
     times, tokens = [], 0
     rids = [engine.add_request(p, max_new, stop_ids=[]) for p in prompts]
     engine.step()  # admission and prefill, then the first round
@@ -111,13 +131,13 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
         start = time.perf_counter()
         outs = engine.step()
         elapsed = time.perf_counter() - start
-        if len(outs) != len(prompts) or any(o.finished for o in outs):
-            raise RuntimeError("benchmark round was not steady (a request finished early)")
+        _steady(outs, len(prompts))
         if i >= st.warmup_rounds:
             times.append(elapsed)
             tokens += sum(len(o.new_tokens) for o in outs)
     counters_before = engine.runner.counters.as_dict()
-    counted = count_round(engine.runner, engine.step, counter(str(engine.device)))
+    counted = count_round(engine.runner, lambda: _steady(engine.step(), len(prompts)),
+                          counter(str(engine.device)), trace_replays)
     counters = {k: v - counters_before[k] for k, v in engine.runner.counters.as_dict().items()}
     after = engine.stats.as_dict()
     for rid in rids:
@@ -141,9 +161,20 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
     }
 
 
-def _summary(runs: list[dict], graph: bool) -> dict:
+def _timing(runs: list[dict]) -> dict:
     medians = [statistics.median(r["round_s"]) * 1000 for r in runs]
     all_ms = sorted(t * 1000 for r in runs for t in r["round_s"])
+    tok_s = [r["tokens"] / sum(r["round_s"]) for r in runs]
+    median = statistics.median(medians)
+    return {
+        "round_ms_median": median, "round_ms_p90": all_ms[int(0.9 * (len(all_ms) - 1))],
+        "round_ms_repeats": [round(m, 3) for m in medians],
+        "noise": (max(medians) - min(medians)) / median if median else 0.0,
+        "tokens_per_s": statistics.median(tok_s),
+    }
+
+
+def _summary(runs: list[dict], graph: bool) -> dict:
     last = runs[-1]
     if graph:
         by_phase = {"replays": last["replays"], "staging_copies": last["staging_copies"],
@@ -151,17 +182,25 @@ def _summary(runs: list[dict], graph: bool) -> dict:
                     "eager_fallback_ops": sum(last["phase_launches"].values())}
     else:
         by_phase = {**last["phase_launches"], OUTSIDE_PHASES: last["outside_phase_launches"]}
-    submissions = sum(by_phase.values())
-    tok_s = [r["tokens"] / sum(r["round_s"]) for r in runs]
-    median = statistics.median(medians)
     return {
-        "submissions_per_round": submissions, "submissions": by_phase,
+        "submissions_per_round": sum(by_phase.values()), "submissions": by_phase,
         "counted_as": COUNTED_AS if graph else last["count_method"],
-        "replays_per_round": last["replays"] if graph else 0,
-        "round_ms_median": median, "round_ms_p90": all_ms[int(0.9 * (len(all_ms) - 1))],
-        "round_ms_repeats": [round(m, 3) for m in medians],
-        "noise": (max(medians) - min(medians)) / median if median else 0.0,
-        "tokens_per_s": statistics.median(tok_s),
+        "replays_per_round": last["replays"] if graph else 0, **_timing(runs),
+    }
+
+
+def _compile_summary(runs: list[dict], engine: SpecEngine) -> dict:
+    """The compile peer: every launch of its round as the profiler saw it, by phase (a
+    compiled call is one submission only where it is one device graph launch)."""
+    last = runs[-1]
+    label = engine.runner.backend.compiler.label
+    return {
+        "compile_backend": label,
+        "submissions_per_round": last["eager_launches"],
+        "submissions": {**last["phase_launches"], OUTSIDE_PHASES: last["outside_phase_launches"]},
+        "counted_as": last["count_method"],
+        "counts_every_launch": counts_every_launch(str(engine.device), label),
+        "calls_per_round": last["replays"], **_timing(runs),
     }
 
 
@@ -173,7 +212,13 @@ def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
     for _ in range(st.repeats):  # interleaved, so drift hits every mode alike
         for name, engine in modes.items():
             with torch.no_grad():
-                runs[name].append(measure(engine, prompts, st))
+                if name == "compile_spec":
+                    label = engine.runner.backend.compiler.label
+                    runs[name].append(measure(
+                        engine, prompts, st, lambda d: compiled_counter(d, label),
+                        trace_replays=True))
+                else:
+                    runs[name].append(measure(engine, prompts, st))
             tick()
     graphs = engines.has_graphs
     spec = runs["graph_spec" if graphs else "eager_spec"]
@@ -184,6 +229,8 @@ def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
     plain_graph = _summary(runs["graph_plain"], True) if graphs else None
     speedup_eager = eager["tokens_per_s"] / plain_eager["tokens_per_s"]
     s = engines.spec.num_steps
+    peer = (_compile_summary(runs["compile_spec"], engines.compile_spec)
+            if engines.compile_spec is not None else None)
     return {
         "bucket": len(prompts), "num_steps": s, "verify_width": s + 1,
         "nextn_forwards_per_round": spec[-1]["nextn_forwards"] / spec[-1]["rounds"],
@@ -192,6 +239,12 @@ def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
                              if graphs else None),
         "latency_ratio": graph["round_ms_median"] / eager["round_ms_median"] if graphs else None,
         "plain": {"eager": plain_eager, "graph": plain_graph},
+        # the compile peer (bench.compile_peer), speculative only; None without one
+        "compile": peer,
+        "compile_vs_graph_latency": (peer["round_ms_median"] / graph["round_ms_median"]
+                                     if peer and graphs else None),
+        "compile_vs_eager_latency": (peer["round_ms_median"] / eager["round_ms_median"]
+                                     if peer else None),
         "spec_vs_plain": {
             "acceptance_length": (accepted + request_rounds) / request_rounds,
             "draft_acceptance_rate": accepted / max(sum(r["proposed"] for r in spec), 1),

@@ -21,10 +21,23 @@ from .files import commit_files, creatable_dir  # noqa: E402
 PLOTS = ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png")
 HEADER = ("bucket", "NextN fwd", "eager subm", "graph subm", "replays", "subm ratio",
           "eager ms", "graph ms", "graph/eager", "acc len", "spec/plain")
+# with a compile peer (bench.compile_peer): its launches, latency, and latency over graphs
+PEER_HEADER = ("compile subm", "compile ms", "compile/graph")
 
 
 NO_GRAPH = "-"  # a graph column of the eager backend, which has no graphs
 EAGER_NOTE = "the eager backend has no graphs (nothing captured, no padding)"
+
+
+def _header(report: dict) -> tuple[str, ...]:
+    return HEADER + (PEER_HEADER if report["settings"].get("compile_peer") else ())
+
+
+def _peer_cells(r: dict) -> tuple[str, ...]:
+    p = r["compile"]
+    subm = str(p["submissions_per_round"]) + ("" if p["counts_every_launch"] else "+")
+    ratio = r["compile_vs_graph_latency"]
+    return (subm, f"{p['round_ms_median']:.2f}", f"{ratio:.2f}" if ratio else NO_GRAPH)
 
 
 def _rows(report: dict) -> list[tuple[str, ...]]:
@@ -39,7 +52,8 @@ def _rows(report: dict) -> list[tuple[str, ...]]:
                      f"{r['eager']['round_ms_median']:.2f}",
                      f"{g['round_ms_median']:.2f}" if g else NO_GRAPH,
                      f"{r['latency_ratio']:.2f}" if g else NO_GRAPH,
-                     f"{sp['acceptance_length']:.2f}", f"{sp['speedup']:.2f}x"))
+                     f"{sp['acceptance_length']:.2f}", f"{sp['speedup']:.2f}x",
+                     *(_peer_cells(r) if r.get("compile") else ())))
     return rows
 
 
@@ -52,17 +66,29 @@ def _capture_line(report: dict) -> str:
             f"{len(pad['per_batch_size'])}: {100 * pad['waste']:.0f}% of real rows")
 
 
+def _peer_line(report: dict) -> list[str]:
+    peer = report["settings"].get("compile_peer")
+    if not peer:
+        return []
+    cap, first = report["compile_capture"], report["buckets"][0]["compile"]
+    bound = "" if first["counts_every_launch"] else (
+        "; compile subm N+ = aten ops seen, a lower bound (generated kernels are not seen)")
+    return [f"compile peer: torch.compile ({peer}), {len(cap['records'])} graphs compiled in "
+            f"{cap['total_s']:.1f} s{bound}"]
+
+
 def _summary_lines(report: dict) -> list[str]:
     sv, s = report["spec_vs_plain"], report["settings"]
-    return [_capture_line(report),
+    return [_capture_line(report), *_peer_line(report),
             f"speculative vs plain on {s['backend']}: {sv['speedup']:.2f}x at acceptance "
             f"length {sv['acceptance_length']:.2f} (strict draft acceptance "
             f"{sv['draft_acceptance_rate']:.2f})"]
 
 
 def table(report: dict) -> str:
-    rows = [HEADER, *_rows(report)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    header = _header(report)
+    rows = [header, *_rows(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     s = report["settings"]
     head = (f"backend {s['backend']}, torch {s['torch']}, {s['threads']} thread(s); "
@@ -71,7 +97,8 @@ def table(report: dict) -> str:
 
 
 def markdown(report: dict) -> str:
-    rows = [HEADER, ("---",) * len(HEADER), *_rows(report)]
+    header = _header(report)
+    rows = [header, ("---",) * len(header), *_rows(report)]
     body = "\n".join("| " + " | ".join(r) + " |" for r in rows)
     noise = ", ".join(f"B={r['bucket']}: eager {100 * r['eager']['noise']:.0f}%"
                       + (f" / graph {100 * r['graph']['noise']:.0f}%" if r["graph"] else "")
@@ -99,8 +126,12 @@ Spread of the repeat medians (max - min over median): {noise}.
 def _counted_as(report: dict) -> str:
     """What a submission is, per mode, as the measurement named it."""
     first = report["buckets"][0]
-    eager = f"{first['eager']['counted_as']} in eager mode"
-    return f"{eager}; {first['graph']['counted_as']} in graph mode" if first["graph"] else eager
+    text = f"{first['eager']['counted_as']} in eager mode"
+    if first["graph"]:
+        text += f"; {first['graph']['counted_as']} in graph mode"
+    if first.get("compile"):
+        text += f"; {first['compile']['counted_as']} for the compile peer"
+    return text
 
 
 def _capture_section(report: dict) -> str:
@@ -136,14 +167,20 @@ def plots(report: dict) -> dict[str, bytes]:
     graphs = report["settings"]["graphs"]
     modes = ("eager", "graph") if graphs else ("eager",)  # eager: no graph bars to show
     versus = "eager vs graph" if graphs else "eager (no graphs)"
+    peer = report["settings"].get("compile_peer")
+    first = report["buckets"][0].get("compile")
+    # the peer's launches are drawn only where every launch was counted
+    peer_counted = bool(first and first["counts_every_launch"])
 
-    def bars(key: str, ylabel: str, title: str, log: bool) -> bytes:
+    def bars(key: str, ylabel: str, title: str, log: bool, with_peer: bool) -> bytes:
         fig, ax = plt.subplots(figsize=(6, 4))
-        w, top = 0.38, 0.0
-        for i, mode in enumerate(modes):
+        shown = modes + (("compile",) if with_peer else ())
+        w, top = 0.8 / len(shown), 0.0
+        for i, mode in enumerate(shown):
             vals = [r[mode][key] for r in report["buckets"]]
-            offset = (i - (len(modes) - 1) / 2) * w
-            ax.bar([v + offset for v in x], vals, w, label=mode)
+            offset = (i - (len(shown) - 1) / 2) * w
+            ax.bar([v + offset for v in x], vals, w,
+                   label=f"compile ({peer})" if mode == "compile" else mode)
             top = max(top, *vals)
         ax.set_xticks(list(x), [str(b) for b in buckets])
         ax.set_xlabel("bucket (requests per round)")
@@ -152,13 +189,16 @@ def plots(report: dict) -> dict[str, bytes]:
             ax.set_yscale("log")
         ax.set_ylim(top=top * (10 if log else 1.3))  # room for the legend above the bars
         ax.set_title(title)
-        ax.legend(loc="upper center", ncol=2)
+        ax.legend(loc="upper center", ncol=len(shown))
         return _png(fig)
 
     latency = bars("round_ms_median", "host round latency, median (ms)",
-                   f"Round latency: {versus}", log=False)
+                   f"Round latency: {versus}" + (" vs compile" if peer else ""),
+                   log=False, with_peer=bool(peer))
     submissions = bars("submissions_per_round", "submissions per round (log)",
-                       f"Device submissions per round: {versus}", log=True)
+                       f"Device submissions per round: {versus}"
+                       + (" vs compile" if peer_counted else ""), log=True,
+                       with_peer=peer_counted)
     fig, ax = plt.subplots(figsize=(6, 4))
     acc = [r["spec_vs_plain"]["acceptance_length"] for r in report["buckets"]]
     sp = [r["spec_vs_plain"]["speedup"] for r in report["buckets"]]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_checkpoint
-from ..config import RunConfig
+from ..config import RunConfig, compile_peer
 from ..graph.runner import plan_chunks
 from ..progress import progress_bar
 from .measure import BenchSettings, Engines, bench_bucket, bench_prompts, build_engines
@@ -30,17 +30,19 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
             "waste": sum(r["padded_rows"] for r in rows) / real}
 
 
-def _capture(engines: Engines) -> dict:
-    records = [asdict(r) for r in engines.graph_spec.runner.records]
-    return {"records": records,
-            "plain_records": [asdict(r) for r in engines.graph_plain.runner.records],
-            "total_s": sum(r["seconds"] for r in records),
-            "total_mb": sum(r["nbytes"] for r in records) / 2**20}
+def _capture(engine, plain=None) -> dict:
+    records = [asdict(r) for r in engine.runner.records]
+    out = {"records": records, "total_s": sum(r["seconds"] for r in records),
+           "total_mb": sum(r["nbytes"] for r in records) / 2**20}
+    if plain is not None:
+        out["plain_records"] = [asdict(r) for r in plain.runner.records]
+    return out
 
 
 def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
               json_path: Path | None = None, progress: bool = True) -> dict:
     check_outputs(out_dir, json_path)  # a bad path fails now, not after the measurement
+    compile_peer(cfg, where)  # and so does a peer the device cannot run
     start = time.perf_counter()
     models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
     engines = build_engines(models, cfg, progress)
@@ -64,8 +66,13 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
             "machine": platform.platform(), "processor": platform.machine(),
             "threads": torch.get_num_threads(), "bench": asdict(st),
             "graphs": engines.has_graphs,  # False for the eager backend: graph figures null
+            "compile_peer": (engines.compile_spec.runner.backend.compiler.label
+                             if engines.compile_spec else None),
         },
-        "capture": _capture(engines) if engines.has_graphs else None,
+        "capture": (_capture(engines.graph_spec, engines.graph_plain)
+                    if engines.has_graphs else None),
+        # the compile peer's graphs: compile time (trace + compile + record) and memory
+        "compile_capture": _capture(engines.compile_spec) if engines.compile_spec else None,
         "kv_pool_mb": {  # the speculative engine's pools: what a deployment sizes
             "target": engines.spec.models.target_pool.nbytes() / 2**20,
             "draft": engines.spec.models.draft_pool.nbytes() / 2**20,

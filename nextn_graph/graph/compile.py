@@ -200,8 +200,22 @@ class CompiledGraph:
         self.replays = 0
 
     def replay(self, update: list[dict] | None = None) -> None:
+        refuse_dispatch_mode(self.label)
         self.compiled()
         self.replays += 1
+
+
+def refuse_dispatch_mode(label: str) -> None:
+    """Refuse to run a compiled graph under a ``TorchDispatchMode``. Dynamo skips a frame
+    entered under one and, with ``fullgraph=True``, marks its code as never to compile:
+    that one call fails, and so does every later call of the graph, mode or not (torch
+    2.13). Raising first fails the step only (the engine fails its requests) and keeps
+    the graph. Count a compiled round with the profiler (``counting.compiled_counter``)."""
+    mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+    if mode is not None:
+        raise RuntimeError(f"compiled graph {label} cannot run under the active "
+                           f"TorchDispatchMode {type(mode).__name__}: Dynamo would mark the "
+                           f"graph uncompilable for the engine's life; leave the mode first")
 
 
 class CompileBackend:
@@ -230,6 +244,7 @@ class CompileBackend:
         compiled = self.compiler.compile(entry)
         before = self._reserved(empty_cache=True)
         skips = _cudagraph_skips()
+        refuse_dispatch_mode(label)
         self._capturing = True
         try:
             for _ in range(self.compiler.calls):

@@ -35,7 +35,8 @@ OUTSIDE_PHASES = "outside_phases"  # submissions of a round outside every marked
 PHASE_RANGE = "nextn_graph.phase::"  # record_function name prefix of a phase range
 # CUDA runtime / driver calls that put one kernel or copy on a stream.
 _CUDA_SUBMISSIONS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                     "cuLaunchKernelEx", "cudaMemcpyAsync", "cudaMemsetAsync")
+                     "cuLaunchKernelEx", "cudaMemcpyAsync", "cudaMemsetAsync",
+                     "cudaGraphLaunch")
 
 
 class RoundCounter(Protocol):
@@ -129,11 +130,11 @@ class ProfilerCounter:
     (``ProfilerActivity.CUDA``), or ``ProfilerActivity.CPU`` to count aten ops."""
 
     def __init__(self, activity: ProfilerActivity = ProfilerActivity.CUDA,
-                 synchronize: Callable[[], None] = lambda: None):
+                 synchronize: Callable[[], None] = lambda: None, note: str = ""):
         self.activity, self.synchronize = activity, synchronize
         cpu = activity == ProfilerActivity.CPU
-        self.method = ("profiler aten ops (CPU)" if cpu
-                       else f"profiler kernel launches and async copies ({activity.name})")
+        self.method = ("profiler aten ops (CPU)" if cpu else f"profiler kernel launches, "
+                       f"graph launches and async copies ({activity.name})") + note
         self._is_submission = _is_dispatched_kernel if cpu else (
             lambda evt: evt.name in _CUDA_SUBMISSIONS)
         self.per_phase: Counter[str] = Counter()
@@ -175,3 +176,20 @@ def launch_counter(device: str) -> RoundCounter:
     if device.startswith("cuda"):
         return ProfilerCounter(ProfilerActivity.CUDA, torch.cuda.synchronize)
     return OpCounter()
+
+
+def compiled_counter(device: str, compile_backend: str) -> RoundCounter:
+    """The counter for a round of ``torch.compile``d graphs: always a profiler, because a
+    compiled graph refuses to run under a TorchDispatchMode (``compile.refuse_dispatch_mode``).
+    On CUDA it sees every launch; elsewhere it sees the aten ops the compiled code calls,
+    which is every op for ``aot_eager`` but not the kernels inductor or torchair generate."""
+    if device.startswith("cuda"):
+        return ProfilerCounter(ProfilerActivity.CUDA, torch.cuda.synchronize)
+    note = "" if compile_backend == "aot_eager" else (
+        f"; a lower bound: the kernels {compile_backend} generates are not aten ops")
+    return ProfilerCounter(ProfilerActivity.CPU, note=note)
+
+
+def counts_every_launch(device: str, compile_backend: str) -> bool:
+    """Whether ``compiled_counter`` counts every submission of a compiled round."""
+    return device.startswith("cuda") or compile_backend == "aot_eager"

@@ -14,33 +14,30 @@ import os
 import re
 import secrets
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .errors import CheckpointError
-from .model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig, load_config
+# load_checkpoint, resolve_checkpoint and DATA_DIR live in loader; re-exported here,
+# where callers have always found them
+from .loader import (DATA_DIR, LoadedModel, build_models, expected_state,  # noqa: F401
+                     load_checkpoint, resolve_checkpoint)
+from .model import ModelConfig
+from .model.quant import QuantLinear
+from .model.quant import quantize as quantize_weight
 from .presets import init_random, storage_dtype
-from .textfile import parse_json, read_text
+from .weights import INDEX_FILE, SINGLE_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-_MTP_KEY = re.compile(r"^mtp\.(\d+)\.")
-
-
-@dataclass
-class LoadedModel:
-    cfg: ModelConfig
-    target: DeepseekV4ForCausalLM
-    draft: DeepseekV4ForCausalLMNextN
-
-
-def build_models(cfg: ModelConfig) -> LoadedModel:
-    target = DeepseekV4ForCausalLM(cfg)
-    return LoadedModel(cfg, target, DeepseekV4ForCausalLMNextN(cfg, target))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # beside the weights
+QUANTIZE = ("none", "fp8")  # make-checkpoint --quantize
+# Linear weights the release stores FP8 (block scales) and FP4 (routed experts).
+_FP8_KEY = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|"
+                      r"ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
+_FP4_KEY = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                       "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
 
 def random_models(cfg: ModelConfig, seed: int) -> LoadedModel:
@@ -52,174 +49,13 @@ def random_models(cfg: ModelConfig, seed: int) -> LoadedModel:
     return models
 
 
-def expected_state(models: LoadedModel) -> dict[str, torch.Tensor]:
-    """Every checkpoint key of the pair, target first, then ``mtp.0.*``."""
-    return {**models.target.state_dict(), **models.draft.state_dict()}
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    """The ``weight_map`` of an index: tensor name -> shard file name in the same dir."""
-    raw = parse_json(read_text(index, "index", CheckpointError), str(index), CheckpointError)
-    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: not a safetensors index ('weight_map' must map "
-                              f"tensor names to shard file names)")
-    for name in set(weight_map.values()):
-        # a shard is a plain file of this directory: no paths that escape it
-        if Path(name).name != name or not name.endswith(".safetensors"):
-            raise CheckpointError(f"{index}: shard name {name[:80]!r} is not a "
-                                  f"*.safetensors file name in this directory")
-    return weight_map
-
-
-def _weight_files(root: Path) -> tuple[dict[str, str] | None, list[str]]:
-    """The index's weight map (None for a single file) and the files to read.
-
-    A directory holds exactly one checkpoint: both layouts at once, a listed shard
-    that is missing, or a ``*.safetensors`` the layout does not name (a stale shard
-    of an earlier write) are refused rather than guessed at.
-    """
-    index, single = root / INDEX_FILE, root / SINGLE_FILE
-    if index.is_file() and single.is_file():
-        raise CheckpointError(f"{root}: both {INDEX_FILE} and {SINGLE_FILE} are present; "
-                              f"a checkpoint directory must hold one layout, not both")
-    if index.is_file():
-        weight_map = _read_index(index)
-        files = sorted(set(weight_map.values()))
-    elif single.is_file():
-        weight_map, files = None, [SINGLE_FILE]
-    else:
-        raise CheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    missing = [name for name in files if not (root / name).is_file()]
-    if missing:
-        raise CheckpointError(f"{index}: shard {missing[0]} is listed but missing")
-    stray = sorted(p.name for p in root.glob("*.safetensors") if p.name not in files)
-    if stray:
-        named_by = INDEX_FILE if weight_map is not None else SINGLE_FILE
-        raise CheckpointError(f"{root}: {stray[:5]} not part of the checkpoint named by "
-                              f"{named_by} (stale shards of an earlier write?)")
-    return weight_map, files
-
-
-def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
-    weight_map, files = _weight_files(root)
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = root / name
-        try:
-            shard = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from None
-        for key, value in shard.items():
-            if weight_map is not None and weight_map.get(key) != name:
-                raise CheckpointError(f"{path}: tensor {key!r} is not listed for this shard in {INDEX_FILE}")
-            tensors[key] = value
-    if weight_map is not None:
-        absent = sorted(set(weight_map) - set(tensors))
-        if absent:
-            raise CheckpointError(f"{root / INDEX_FILE}: listed tensors missing from their "
-                                  f"shards: {absent[:5]}")
-    return tensors
-
-
-def _check_layout(root: Path, tensors: dict[str, torch.Tensor],
-                  expected: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    dspark = sorted(k for k in tensors if "dspark" in k.lower())
-    if dspark:
-        raise CheckpointError(
-            f"{root}: MTP stages are a DSpark drafter ({dspark[0]!r}, ...); this runtime "
-            f"drives the NextN draft only (EAGLE/NEXTN with mtp.0.*)")
-    extra_mtp = sorted(k for k in tensors if (m := _MTP_KEY.match(k)) and int(m.group(1)) >= 1)
-    if extra_mtp:
-        raise CheckpointError(
-            f"{root}: {extra_mtp[0]!r} belongs to a second MTP layer; exactly one NextN "
-            f"layer (mtp.0.*) is supported")
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{root}: missing tensor key(s) {missing[:8]}"
-                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        hint = " (quantization scales are not supported: dequantize to bf16)" if any(
-            k.endswith(".scale") for k in unexpected) else ""
-        raise CheckpointError(f"{root}: unexpected tensor key(s) {unexpected[:8]}{hint}")
-    for key, ref in expected.items():
-        got = tensors[key]
-        if tuple(got.shape) != tuple(ref.shape):
-            raise CheckpointError(f"{root}: tensor {key!r} has shape {list(got.shape)}, "
-                                  f"expected {list(ref.shape)}")
-        if key.endswith("tid2eid"):
-            _check_expert_ids(root, key, got, cfg.n_routed_experts)
-            continue
-        _check_weight_dtype(root, key, got.dtype)
-        if not bool(torch.isfinite(got).all()):  # NaN/Inf would silently decode token 0
-            raise CheckpointError(f"{root}: tensor {key!r} holds NaN or Inf values")
-
-
-# Float dtypes a weight may be stored in; each converts exactly to the fp32 it is built in.
-WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check_weight_dtype(root: Path, key: str, dtype: torch.dtype) -> None:
-    if dtype in WEIGHT_DTYPES:
-        return
-    # The released DeepSeek-V4 ships FP8 (1 byte) and packed FP4 weights with scales;
-    # loading them needs dequantization this project does not do yet.
-    low_bit = dtype.itemsize <= 1 and dtype != torch.bool
-    hint = "; FP8/FP4 weights are not supported yet: dequantize to bf16" if low_bit else ""
-    raise CheckpointError(f"{root}: tensor {key!r} has dtype {dtype}, expected bf16, fp16 "
-                          f"or fp32{hint}")
-
-
-def _check_expert_ids(root: Path, key: str, got: torch.Tensor, n_experts: int) -> None:
-    """``tid2eid``: integer expert ids in [0, n_experts) (a bool or float is not an id)."""
-    dtype = got.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise CheckpointError(f"{root}: tensor {key!r} has dtype {dtype}; expert ids need an "
-                              f"integer dtype")
-    if bool(((got < 0) | (got >= n_experts)).any()):
-        raise CheckpointError(f"{root}: tensor {key!r} must hold expert ids in [0, {n_experts})")
-
-
-BUILTIN = "builtin:"
-DATA_DIR = Path(__file__).parent / "data"
-
-
-def resolve_checkpoint(spec: str | Path) -> Path:
-    """A directory, or ``builtin:NAME`` for a checkpoint shipped in the package."""
-    text = str(spec)
-    if not text.startswith(BUILTIN):
-        return Path(text)
-    root = DATA_DIR / text[len(BUILTIN):]
-    if not (root / "config.json").is_file():
-        known = sorted(p.name for p in DATA_DIR.iterdir()) if DATA_DIR.is_dir() else []
-        raise CheckpointError(f"{text}: no such built-in checkpoint (built-in: {known})")
-    return root
-
-
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> LoadedModel:
-    """Load target and draft from a checkpoint directory; errors name file and key."""
-    root = resolve_checkpoint(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint directory not found")
-    cfg = load_config(root)
-    models = build_models(cfg)
-    expected = expected_state(models)
-    tensors = _read_tensors(root)
-    _check_layout(root, tensors, expected, cfg)
-    state = {k: v.to(expected[k].dtype) for k, v in tensors.items()}
-    models.target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
-    models.draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
-    for module in (models.target, models.draft):
-        module.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return models
-
-
 def save_checkpoint(models: LoadedModel, path: str | Path,
-                    max_shard_bytes: int | None = None) -> Path:
+                    max_shard_bytes: int | None = None, quantize: str = "none") -> Path:
     """Write ``config.json`` and the tensors in the released layout (sharded if asked).
+
+    ``quantize="fp8"`` writes the release's dtypes: FP8 e4m3 linears with e8m0 block
+    scales, packed FP4 routed experts with e8m0 scales per 32 inputs, and the
+    ``quantization_config``. Quantized modules of a loaded model are written as stored.
 
     The files are written into a fresh sibling directory and renamed into place, so
     ``path`` holds either the previous checkpoint or the complete new one, never a
@@ -237,7 +73,7 @@ def save_checkpoint(models: LoadedModel, path: str | Path,
         raise CheckpointError(f"{root}: cannot create the checkpoint directory "
                               f"({exc.strerror or exc})") from None
     try:
-        _write_files(models, staging, max_shard_bytes)
+        _write_files(models, staging, max_shard_bytes, quantize)
         _swap_in(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -246,7 +82,7 @@ def save_checkpoint(models: LoadedModel, path: str | Path,
 
 
 def _is_checkpoint_file(path: Path) -> bool:
-    return path.is_file() and (path.name in ("config.json", INDEX_FILE)
+    return path.is_file() and (path.name in ("config.json", INDEX_FILE, *TOKENIZER_FILES)
                                or path.name.endswith(".safetensors"))
 
 
@@ -288,10 +124,36 @@ def _swap_in(staging: Path, root: Path) -> None:
     shutil.rmtree(aside)
 
 
-def _write_files(models: LoadedModel, root: Path, max_shard_bytes: int | None) -> None:
-    (root / "config.json").write_text(json.dumps(models.cfg.to_hf_dict(), indent=2) + "\n")
-    state = {k: v.detach().to("cpu", storage_dtype(k)).contiguous()
-             for k, v in expected_state(models).items()}
+def stored_state(models: LoadedModel, quantize: str = "none") -> dict[str, torch.Tensor]:
+    """Every tensor as the checkpoint stores it (on the host), ``.scale`` beside each
+    quantized weight."""
+    if quantize not in QUANTIZE:
+        raise CheckpointError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    held = {name: m for owner in (models.target, models.draft)
+            for name, m in owner.named_modules() if isinstance(m, QuantLinear)}
+    state: dict[str, torch.Tensor] = {}
+    for key, value in expected_state(models).items():
+        base, _, name = key.rpartition(".")
+        value = value.detach().to("cpu")
+        if base in held:  # stored bits back in the checkpoint dtype
+            state[key] = value.view(held[base].stored_dtypes()[name]).contiguous()
+        elif quantize == "fp8" and (_FP8_KEY.search(key) or _FP4_KEY.search(key)):
+            fmt = "fp4" if _FP4_KEY.search(key) else "fp8"
+            state[key], state[base + ".scale"] = quantize_weight(value, fmt)
+        else:
+            state[key] = value.to(storage_dtype(key)).contiguous()
+    return state
+
+
+def _write_files(models: LoadedModel, root: Path, max_shard_bytes: int | None,
+                 quantize: str = "none") -> None:
+    state = stored_state(models, quantize)
+    config = models.cfg.to_hf_dict()
+    if any(k.endswith(".scale") for k in state):
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        fp4 = any(v.dtype == torch.int8 for v in state.values())
+        config["expert_dtype"] = "fp4" if fp4 else "bf16"
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if max_shard_bytes is None:
         save_file(state, str(root / SINGLE_FILE), metadata={"format": "pt"})
     else:

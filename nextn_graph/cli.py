@@ -12,29 +12,33 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from .bench import BenchSettings, run_bench
 from .bench.report import table
-from .checkpoint import load_checkpoint, random_models, save_checkpoint
-from .config import COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, RunConfig, load_run_config
+from .checkpoint import (QUANTIZE, load_checkpoint, random_models, resolve_checkpoint,
+                         save_checkpoint)
+from .config import (COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, WEIGHTS_MODES, RunConfig,
+                     load_run_config)
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
 from .errors import InputError, NextnGraphError, show_value
 from .generate import plain_generate, reference_generate, validate_prompts
 from .presets import PRESETS, preset_config
-from .textfile import parse_json, read_text
+from .prompts import Prompt, prompt_ids, read_prompts
+from .tokenizer import CheckpointTokenizer, byte_level_tokenizer, load_tokenizer, write_tokenizer
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
 SEED_LIMIT = 2**63  # torch generators take a 64-bit seed
 
 
 def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
-                    max_shard_bytes: int | None = None) -> Path:
+                    max_shard_bytes: int | None = None, quantize: str = "none") -> Path:
     """Write a deterministic checkpoint of a preset in the released layout: random
-    weights, or for ``tiny-trained`` the trained target and distilled draft.
+    weights, or for ``tiny-trained`` the trained target and distilled draft with its
+    byte-level ``tokenizer.json``. ``quantize="fp8"``: in the release's dtypes (FP8
+    linears, FP4 routed experts, e8m0 scales).
 
     ``out`` is written atomically: an earlier checkpoint there is replaced whole
     (never mixed with the new shards); a non-empty non-checkpoint dir is refused."""
@@ -42,50 +46,11 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0,
         raise InputError(f"make-checkpoint: seed must be an integer in [0, 2**63), got "
                          f"{show_value(seed)}")
     if preset == TRAINED_PRESET:
-        return save_checkpoint(make_trained(seed), out, max_shard_bytes)
-    return save_checkpoint(random_models(preset_config(preset), seed), out, max_shard_bytes)
-
-
-PROMPT_KEYS = ("input_ids",)  # per-request settings are options of the command, not keys
-
-
-def _unique_keys(where: str) -> Callable[[list], dict]:
-    """A JSON object hook: the pairs as a dict; a repeated key would silently keep the last."""
-    def hook(pairs: list[tuple[str, object]]) -> dict:
-        out: dict = {}
-        for key, value in pairs:
-            if key in out:
-                raise InputError(f"{where}: duplicate key {show_value(key)}")
-            out[key] = value
-        return out
-
-    return hook
-
-
-def read_prompts(path: str | Path) -> list[list[int]]:
-    """JSONL, one ``{"input_ids": [...]}`` per line; blank lines are skipped. Any other
-    key (``max_new_tokens``, ``stop_ids``) is refused rather than silently ignored."""
-    path = Path(path)
-    text = read_text(path, "prompts file", InputError)
-    prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        row = parse_json(line, where, InputError, _unique_keys(where))
-        unknown = [k for k in row if k not in PROMPT_KEYS] if isinstance(row, dict) else []
-        if unknown:
-            raise InputError(f"{where}: unknown key {show_value(unknown[0])} (each line is "
-                             f"{{\"input_ids\": [int, ...]}} only; per-request settings "
-                             f"such as max_new_tokens are command options)")
-        ids = row.get("input_ids") if isinstance(row, dict) else None
-        if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InputError(f"{where}: expected {{\"input_ids\": [int, ...]}}")
-        prompts.append(ids)
-    if not prompts:
-        raise InputError(f"{path}: no prompts")
-    return prompts
+        root = save_checkpoint(make_trained(seed), out, max_shard_bytes, quantize)
+        write_tokenizer(byte_level_tokenizer(), root)  # the one shipped with the preset
+        return root
+    return save_checkpoint(random_models(preset_config(preset), seed), out, max_shard_bytes,
+                           quantize)
 
 
 def _check_device(device: str) -> None:
@@ -113,7 +78,8 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     if args.config is None and args.checkpoint is None:
         raise InputError("give --checkpoint DIR or --config YAML")
     cfg = load_run_config(args.config, checkpoint=args.checkpoint, dtype=args.dtype,
-                          device=args.device, pool={"max_context": args.max_context},
+                          device=args.device, weights=args.weights,
+                          pool={"max_context": args.max_context},
                           graph={"backend": args.backend})
     _check_device(cfg.device)
     return cfg
@@ -122,8 +88,15 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 def _generate(args: argparse.Namespace) -> int:
     cfg = _run_config(args)
     _pin_threads(args.threads, cfg.device)
-    prompts = read_prompts(args.prompts)
-    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
+    if args.prompts is not None:
+        given = read_prompts(args.prompts)
+    else:
+        given = [Prompt(f"--prompt #{i}", text) for i, text in enumerate(args.prompt, 1)]
+    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
+                             progress=sys.stderr.isatty())
+    root = resolve_checkpoint(cfg.checkpoint)
+    tokenizer = load_tokenizer(root, models.cfg.vocab_size)
+    prompts = prompt_ids(given, tokenizer, root)
     if args.mode == "spec":
         # Refuse bad prompts before spending time on capture.
         validate_prompts(prompts, models.cfg, cfg.pool.max_context, args.max_new_tokens,
@@ -134,14 +107,28 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         result = MODES[args.mode](models.target, prompts, args.max_new_tokens,
                                   max_context=cfg.pool.max_context)
+    reqs = [_request(p, ids, out, tokenizer)
+            for p, ids, out in zip(given, prompts, result.outputs)]
     if args.json:
-        reqs = [{"input_ids": p, "output_ids": o} for p, o in zip(prompts, result.outputs)]
         print(json.dumps({"requests": reqs, "stats": result.stats}))
     else:
-        for i, out in enumerate(result.outputs):
-            print(f"request {i}: {out}")
+        for i, req in enumerate(reqs):
+            text = json.dumps(req["text"], ensure_ascii=False) if "text" in req else None
+            print(f"request {i}: {req['output_ids']}" + (f"  text: {text}" if text else ""))
         print(json.dumps(result.stats))
     return 0
+
+
+def _request(prompt: Prompt, ids: list[int], out: list[int],
+             tokenizer: CheckpointTokenizer | None) -> dict:
+    """One request of the output: ids in and out; with a tokenizer, the decoded output
+    (``text``) and, for a text prompt, the prompt as given (``prompt_text``)."""
+    req: dict = {"input_ids": ids, "output_ids": out}
+    if isinstance(prompt.value, str):
+        req["prompt_text"] = prompt.value
+    if tokenizer is not None:
+        req["text"] = tokenizer.decode(out)
+    return req
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -254,17 +241,29 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--preset", choices=[*sorted(PRESETS), TRAINED_PRESET], default="tiny")
     make.add_argument("--out", required=True)
     make.add_argument("--seed", type=_seed, default=0, help="in [0, 2**63)")
+    make.add_argument("--quantize", choices=QUANTIZE, default="none",
+                      help="fp8: the release's dtypes (FP8 linears with e8m0 block scales, "
+                           "FP4 routed experts)")
     make.add_argument("--shard-bytes", type=POSITIVE, default=None,
                       help="split into shards of at most this many bytes, with an index")
-    gen = sub.add_parser("generate", help="greedy generation from a JSONL prompts file")
+    gen = sub.add_parser("generate", help="greedy generation from a JSONL prompts file "
+                                          "or --prompt TEXT")
     gen.add_argument("--checkpoint", help="checkpoint dir or builtin:NAME (overrides --config)")
     gen.add_argument("--config", help="YAML run config (checkpoint, pool, speculative settings)")
-    gen.add_argument("--prompts", required=True)
+    given = gen.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompts", metavar="FILE", help='JSONL, one {"input_ids": [...]} '
+                       'or {"text": "..."} per line')
+    given.add_argument("--prompt", action="append", metavar="TEXT",
+                       help="a text prompt (repeat for more requests); the checkpoint needs "
+                            "a tokenizer.json")
     gen.add_argument("--max-new-tokens", type=POSITIVE, required=True)
     gen.add_argument("--mode", choices=["spec", *sorted(MODES)], default="spec")
     gen.add_argument("--max-context", type=POSITIVE, default=None,
                      help="positions per request (default: the config's pool.max_context)")
     gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None)
+    gen.add_argument("--weights", choices=WEIGHTS_MODES, default=None,
+                     help="quantized: FP8/FP4 weights stay as stored (the default); "
+                          "dequantized: expanded to --dtype at load")
     gen.add_argument("--device", default=None)
     gen.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                      help="graph backend for --mode spec (overrides the config's graph.backend)")
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "make-checkpoint":
-        print(make_checkpoint(args.preset, args.out, args.seed, args.shard_bytes))
+        print(make_checkpoint(args.preset, args.out, args.seed, args.shard_bytes, args.quantize))
         return 0
     if args.command == "generate":
         return _generate(args)

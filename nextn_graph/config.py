@@ -45,6 +45,9 @@ class PoolConfig:
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# How FP8/FP4 checkpoint weights are held: as stored (dequantized in each forward), or
+# expanded to `dtype` at load (small models, debugging). Plain checkpoints: no effect.
+WEIGHTS_MODES = ("quantized", "dequantized")
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
 GRAPH_KINDS = ("draft_extend", "rollout", "target_verify")
 # What torch.compile hands each graph to, for graph backends compile and torchair (others
@@ -78,6 +81,7 @@ class RunConfig:
     checkpoint: str = "builtin:tiny-trained"  # a directory, or builtin:NAME
     dtype: str = "fp32"  # fp32 | bf16
     device: str = "cpu"  # cpu | cuda | npu
+    weights: str = "quantized"  # quantized | dequantized (FP8/FP4 checkpoints)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
@@ -89,6 +93,7 @@ class RunConfig:
 
 
 _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
+            "weights": WEIGHTS_MODES,
             "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS,
             "compile_peer": ("none",) + COMPILE_BACKENDS}
 

@@ -198,12 +198,12 @@ def test_unexpected_tensor_key(ckpt, tmp_path):
     _raises(root, CheckpointError, str(root), "unexpected", key)
 
 
-def test_quantization_scale_key_gets_hint(ckpt, tmp_path):
-    """An FP8-style ``.scale`` tensor is rejected with a hint to dequantize."""
+def test_scale_beside_a_float_weight_is_refused(ckpt, tmp_path):
+    """A ``.scale`` tensor beside a bf16 weight names both: only FP8/FP4 weights have one."""
     key = "layers.0.attn.wq_a.scale"
     root = _copy(ckpt, tmp_path / "c",
                  edit_tensors=lambda s: s.__setitem__(key, torch.ones(1, dtype=torch.float32)))
-    _raises(root, CheckpointError, key, "dequantize")
+    _raises(root, CheckpointError, key, "'layers.0.attn.wq_a.weight'", "neither FP8 nor packed FP4")
 
 
 def test_wrong_shape(ckpt, tmp_path):

@@ -191,14 +191,14 @@ def test_nan_weights_refused(seed5, tmp_path, bad):
     assert "mtp.0" not in str(info.value)
 
 
-@pytest.mark.parametrize("dtype, hint", [
-    (torch.float8_e4m3fn, True), (torch.float8_e5m2, True), (torch.float64, False),
+@pytest.mark.parametrize("dtype, quantized", [
+    (torch.float8_e4m3fn, True), (torch.float8_e5m2, False), (torch.float64, False),
     (torch.int8, True), (torch.int64, False),
 ])
-def test_unsupported_weight_dtype_refused(seed5, tmp_path, dtype, hint):
-    """A weight stored as FP8 (the released DeepSeek-V4's format, whose NaN check torch
-    does not implement) is refused before the finite check, naming the key and dtype and
-    saying FP8/FP4 is not supported yet; other non-bf16/fp16/fp32 dtypes are refused too."""
+def test_unsupported_weight_dtype_refused(seed5, tmp_path, dtype, quantized):
+    """A weight stored FP8 e4m3 or packed FP4 (int8) without its ``.scale`` is refused
+    naming the missing scale; other non-bf16/fp16/fp32 dtypes are refused naming the key
+    and dtype, before any tensor data is read."""
     key = "layers.0.attn.wq_a.weight"
 
     def cast(state):
@@ -208,9 +208,12 @@ def test_unsupported_weight_dtype_refused(seed5, tmp_path, dtype, hint):
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(root)
     message = str(info.value)
-    assert message.startswith(f"{root}: tensor {key!r} has dtype {dtype}, expected bf16, "
-                              f"fp16 or fp32")
-    assert ("FP8/FP4 weights are not supported yet" in message) == hint
+    if quantized:
+        assert message == (f"{root}: quantized weight {key!r} ({dtype}) has no scale "
+                           f"'layers.0.attn.wq_a.scale'")
+    else:
+        assert message.startswith(f"{root}: tensor {key!r} has dtype {dtype}, expected bf16, "
+                                  f"fp16 or fp32")
 
 
 def test_fp16_weights_load(seed5, tmp_path):

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_checkpoint
+from ..loader import weight_bytes
 from ..config import RunConfig, compile_peer
 from ..graph.runner import plan_chunks
 from ..progress import progress_bar
-from .measure import BenchSettings, Engines, bench_bucket, bench_prompts, build_engines
+from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
 from .report import check_outputs, write_outputs
 
 
@@ -44,7 +45,7 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
     check_outputs(out_dir, json_path)  # a bad path fails now, not after the measurement
     compile_peer(cfg, where)  # and so does a peer the device cannot run
     start = time.perf_counter()
-    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
+    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights, progress)
     engines = build_engines(models, cfg, progress)
     buckets = cfg.graph.buckets
     prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)
@@ -73,6 +74,8 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
                     if engines.has_graphs else None),
         # the compile peer's graphs: compile time (trace + compile + record) and memory
         "compile_capture": _capture(engines.compile_spec) if engines.compile_spec else None,
+        # resident weight bytes by storage: FP8/FP4 bits and scales, float tensors
+        "weights": weight_bytes(models),
         "kv_pool_mb": {  # the speculative engine's pools: what a deployment sizes
             "target": engines.spec.models.target_pool.nbytes() / 2**20,
             "draft": engines.spec.models.draft_pool.nbytes() / 2**20,

@@ -18,6 +18,7 @@ from ..memory.pool import LayerCache
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
 from .ops import RMSNorm, RopeTable, apply_rope, rms_norm, sink_attention
+from .quant import linear_weight
 
 
 class Attention(nn.Module):
@@ -57,7 +58,7 @@ class Attention(nn.Module):
         o = sink_attention(q, keys, valid, self.attn_sink, self.scale)  # [T, H, hd]
         o = apply_rope(o, *self.rope.lookup(positions), inverse=True)
         o = o.reshape(o.shape[0], self.n_groups, -1)  # [T, G, H*hd/G]
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
+        wo_a = linear_weight(self.wo_a, o.dtype).view(self.n_groups, self.o_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o, wo_a)  # [T, G, o_rank]
         return self.wo_b(o.flatten(1))
 

@@ -96,6 +96,7 @@ _IGNORED = {  # HF keys that carry no structure for this library
     "intermediate_size", "moe_layer_freq", "n_group", "topk_group", "ep_size",
     "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "pretraining_tp",
     "max_window_layers", "dtype",
+    "expert_dtype",  # read with quantization_config by model.quant
 }
 
 
@@ -254,7 +255,6 @@ def _validate(cfg: ModelConfig, where: str) -> None:
     for key in ("bos_token_id", "eos_token_id"):
         if getattr(cfg, key) >= cfg.vocab_size:
             raise bad(key, f"{getattr(cfg, key)} is outside the vocabulary [0, {cfg.vocab_size})")
-    _check_model_fits(cfg, where)
 
 
 def _validate_yarn(y: YarnScaling, where: str) -> None:
@@ -279,12 +279,10 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
-def _check_model_fits(cfg: ModelConfig, where: str) -> None:
-    """Refuse a model that cannot be built here before a tensor is allocated.
-
-    Models are always built on the host in fp32 (a checkpoint is cast and moved
-    afterwards), so the bound is the host's physical memory whatever the device.
-    """
+def check_model_fits(cfg: ModelConfig, where: str) -> None:
+    """Refuse a model that cannot be built on the host in fp32 (random weights, training)
+    before a tensor is allocated. A checkpoint load builds on meta and checks the bytes
+    it will place on its device instead (``loader``)."""
     need, ram = model_bytes(cfg), physical_memory_bytes()
     if ram is not None and need > ram:
         raise ConfigError(

@@ -48,7 +48,7 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
         return self.mtp[0]
 
     def new_pool(self, layout: PoolLayout) -> KVPool:
-        p = self.layer.e_proj.weight
+        p = self.layer.enorm.weight  # a float tensor even when e_proj is quantized
         return KVPool(self.cfg, layout, [NEXTN_COMPRESS_RATIO], device=p.device, dtype=p.dtype)
 
     def _check_hidden(self, hidden: torch.Tensor, rows: int) -> None:

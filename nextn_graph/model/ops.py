@@ -30,11 +30,15 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with YaRN interpolation (DeepSeek style) for ``dim`` rope dims."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    """Inverse frequencies with YaRN interpolation (DeepSeek-V4 style) for ``dim`` rope dims.
+
+    Applied whatever ``max_position_embeddings`` is, as V4's reference code and HF
+    transformers' ``deepseek_v4`` do (``original_seq_len > 0``); skipping it when the
+    context fits the original window was DeepSeek-V3's rule, and gave a checkpoint
+    with a small ``max_position_embeddings`` other logits than both.
+    """
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     y = cfg.rope_scaling
-    if cfg.max_position_embeddings <= y.original_max_position_embeddings:
-        return inv
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
@@ -44,13 +48,15 @@ def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig) -> torch.Tensor:
     high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = torch.arange(dim // 2, dtype=torch.float64, device="cpu")
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
     smooth = 1 - ramp  # 1 keeps the original frequency, 0 interpolates by the factor
     return inv / y.factor * (1 - smooth) + inv * smooth
 
 
 class RopeTable(nn.Module):
-    """cos/sin tables indexed by absolute position (a gather, so capture-safe)."""
+    """cos/sin tables indexed by absolute position (a gather, so capture-safe). Built on
+    the host even under a meta device: a streamed load builds the model on meta."""
 
     def __init__(self, cfg: ModelConfig, compressed: bool):
         super().__init__()
@@ -58,8 +64,10 @@ class RopeTable(nn.Module):
         if compressed:  # C4 / C128 layers: compress_rope_theta with YaRN
             inv = _yarn_inv_freq(dim, cfg.compress_rope_theta, cfg)
         else:  # SWA-only layers and the NextN layer: base theta, no YaRN
-            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv)
+            inv = 1.0 / (cfg.rope_theta ** (
+                torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device="cpu")
+        angles = torch.outer(positions, inv)
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # [P, rd/2]
         self.register_buffer("sin", angles.sin().float(), persistent=False)  # [P, rd/2]
 

@@ -102,7 +102,7 @@ class SpecEngine:
         """Load the config's checkpoint on its device and dtype, build and capture."""
         from ..checkpoint import load_checkpoint  # checkpoint imports the model only
 
-        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device)
+        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights)
         return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                    progress=progress)
 

@@ -2,10 +2,10 @@
 
 The target and draft are built on the ``meta`` device (no memory), every check that
 needs only names, dtypes and shapes runs on the file headers, and then the shards
-are memory-mapped one at a time: each tensor is read, checked (no NaN/Inf, expert
-ids in range, positive scales), converted, and put in its module on the target
-device. Host memory while loading stays near one tensor plus the mapped shard on a
-device, and near the model itself on the CPU.
+are read one at a time, tensor by tensor (positioned reads into fresh buffers, see
+``weights.Shards``): each tensor is checked (no NaN/Inf, expert ids in range,
+positive scales), converted, and put in its module on the target device. Host
+memory while loading grows by about one tensor over what the device keeps.
 
 Quantized weights (an FP8 or packed FP4 ``.weight`` beside its ``.scale``, see
 ``model.quant``) become ``QuantLinear`` modules holding the stored bits
@@ -290,9 +290,17 @@ def _read(where: str, key: str, shards: Shards, models: LoadedModel, plan: dict[
         if bool(((t < 0) | (t >= n)).any()):
             raise CheckpointError(f"{where}: tensor {key!r} must hold expert ids in [0, {n})")
         return t.to(torch.int64)
-    if not bool(torch.isfinite(t).all()):  # NaN/Inf would silently decode token 0
+    if not _all_finite(t):  # NaN/Inf would silently decode token 0
         raise CheckpointError(f"{where}: tensor {key!r} holds NaN or Inf values")
     return t.to(dtype)
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """``isfinite(t).all()`` in slices: on a whole 1 GiB embedding its temporaries
+    (abs, two masks) would cost about twice the tensor again."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all())
+               for i in range(0, flat.numel(), chunk))
 
 
 def _assign(models: LoadedModel, key: str, value: torch.Tensor) -> None:

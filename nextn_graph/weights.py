@@ -10,6 +10,7 @@ shard than the index says. ``open_shards`` memory-maps them for a streamed read.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -39,10 +40,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return _numel(self.shape) * self.dtype.itemsize
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -120,12 +118,14 @@ def scan(root: Path) -> dict[str, TensorInfo]:
 
 
 class Shards:
-    """The checkpoint's files, memory-mapped while the ``with`` lasts; ``get(key)`` reads
-    one tensor into memory (a weight may need its scale from another shard)."""
+    """The checkpoint's files, open while the ``with`` lasts; ``get(key)`` reads one tensor
+    into a fresh buffer with a positioned read (a weight may need its scale from another
+    shard). Nothing is memory-mapped: the file's pages stay in the page cache, not in
+    this process, so host memory while loading grows by one tensor at a time."""
 
     def __init__(self, root: Path, infos: dict[str, TensorInfo]):
         self.root, self.infos = root, infos
-        self._files: dict[str, tuple] = {}  # name -> (context manager, open file)
+        self._files: dict[str, tuple] = {}  # name -> (open file, data start, header)
 
     def __enter__(self) -> "Shards":
         return self
@@ -135,18 +135,41 @@ class Shards:
             self.close_file(name)
 
     def close_file(self, name: str) -> None:
-        """Unmap a file once its tensors are placed (its pages leave this process)."""
         entry = self._files.pop(name, None)
         if entry is not None:
-            entry[0].__exit__(None, None, None)
+            entry[0].close()
+
+    def _open(self, name: str) -> tuple:
+        if name not in self._files:
+            path = self.root / name
+            try:
+                f = open(path, "rb")
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from None
+            self._files[name] = (f, 8 + size, header)
+        return self._files[name]
 
     def get(self, key: str) -> torch.Tensor:
-        name = self.infos[key].file
-        if name not in self._files:
-            cm = _opened(self.root / name)
-            self._files[name] = (cm, cm.__enter__())
-        try:
-            return self._files[name][1].get_tensor(key)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{self.root / name}: cannot read tensor {key!r} "
-                                  f"({exc})") from None
+        info = self.infos[key]
+        f, start, header = self._open(info.file)
+        begin, end = header[key]["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        f.seek(start + begin)
+        if f.readinto(memoryview(buf.numpy())) != end - begin:
+            raise CheckpointError(f"{self.root / info.file}: tensor {key!r} is truncated")
+        shape = info.shape
+        if info.dtype == torch.float4_e2m1fn_x2 and _numel(shape) == 2 * (end - begin):
+            shape = (*shape[:-1], shape[-1] // 2)  # the header counts 4-bit values
+        if _numel(shape) * info.dtype.itemsize != end - begin:
+            raise CheckpointError(f"{self.root / info.file}: tensor {key!r} holds "
+                                  f"{end - begin} bytes, not {list(shape)} x {info.dtype}")
+        return buf.view(info.dtype).reshape(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

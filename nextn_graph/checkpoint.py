@@ -27,7 +27,9 @@ from .loader import (DATA_DIR, LoadedModel, build_models, expected_state,  # noq
 from .model import ModelConfig
 from .model.quant import QuantLinear
 from .model.quant import quantize as quantize_weight
-from .presets import init_random, storage_dtype
+from .parallel.group import TPGroup
+from .parallel.sharding import slice_for
+from .presets import init_random, iter_random, storage_dtype
 from .weights import INDEX_FILE, SINGLE_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # beside the weights
@@ -40,12 +42,24 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0
                        "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
 
-def random_models(cfg: ModelConfig, seed: int) -> LoadedModel:
-    """Target and draft with deterministic random weights (see ``init_random``)."""
-    models = build_models(cfg)
-    state = init_random(expected_state(models), cfg, seed)
-    models.target.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")})
-    models.draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
+def random_models(cfg: ModelConfig, seed: int, tp: TPGroup | None = None) -> LoadedModel:
+    """Target and draft with deterministic random weights (see ``init_random``). With
+    ``tp``, this rank's slices of the very values of tp = 1: every rank draws the whole
+    model's values, one tensor at a time, and keeps its part."""
+    models = build_models(cfg, tp)
+    if not models.tp.parallel:
+        state = init_random(expected_state(models), cfg, seed)
+        models.target.load_state_dict({k: v for k, v in state.items()
+                                       if not k.startswith("mtp.")})
+        models.draft.load_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")})
+        return models
+    with torch.device("meta"):  # the global shapes, in the order tp = 1 draws them
+        whole = expected_state(build_models(cfg))
+    local = expected_state(models)
+    with torch.no_grad():
+        for key, value in iter_random(whole, cfg, seed):
+            if key in local:  # not another rank's expert
+                local[key].copy_(slice_for(key, value, models.tp))
     return models
 
 
@@ -63,6 +77,10 @@ def save_checkpoint(models: LoadedModel, path: str | Path,
     then removed); a non-empty directory that is not a checkpoint is refused.
     """
     root = Path(path)
+    if models.tp.parallel:
+        raise CheckpointError(f"{root}: cannot save a model sharded over tp = "
+                              f"{models.tp.size} ranks (rank {models.tp.rank} holds a part of "
+                              f"it); save the tp = 1 model, every rank loads its part of that")
     target = root.resolve()  # a symlinked dir: replace what it points at, keep the link
     _check_replaceable(target)
     staging = _fresh_sibling(target, "partial")

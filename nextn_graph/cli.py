@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,8 +24,11 @@ from .config import (COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, WEIGHTS_MOD
                      load_run_config)
 from .runtime.engine import SpecEngine
 from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
-from .errors import InputError, NextnGraphError, show_value
+from .errors import ConfigError, InputError, NextnGraphError, show_value
 from .generate import plain_generate, reference_generate, validate_prompts
+from .parallel.follower import mirror, serve, shutdown
+from .parallel.group import TPGroup
+from .parallel.launch import close_group, group_from_env, load_on_ranks, spawn
 from .presets import PRESETS, preset_config
 from .prompts import Prompt, prompt_ids, read_prompts
 from .tokenizer import CheckpointTokenizer, byte_level_tokenizer, load_tokenizer, write_tokenizer
@@ -80,20 +84,25 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     cfg = load_run_config(args.config, checkpoint=args.checkpoint, dtype=args.dtype,
                           device=args.device, weights=args.weights,
                           pool={"max_context": args.max_context},
-                          graph={"backend": args.backend})
+                          graph={"backend": args.backend}, parallel={"tp": args.tp})
     _check_device(cfg.device)
     return cfg
 
 
-def _generate(args: argparse.Namespace) -> int:
-    cfg = _run_config(args)
-    _pin_threads(args.threads, cfg.device)
+def _bench_config(args: argparse.Namespace) -> RunConfig:
+    cfg = load_run_config(args.config, checkpoint=args.checkpoint,
+                          graph={"backend": args.backend},
+                          bench={"compile_peer": args.compile_peer}, parallel={"tp": args.tp})
+    _check_device(cfg.device)
+    return cfg
+
+
+def _generate(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> int:
     if args.prompts is not None:
         given = read_prompts(args.prompts)
     else:
         given = [Prompt(f"--prompt #{i}", text) for i, text in enumerate(args.prompt, 1)]
-    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
-                             progress=sys.stderr.isatty())
+    models, _ = load_on_ranks(cfg, group, progress=sys.stderr.isatty())
     root = resolve_checkpoint(cfg.checkpoint)
     tokenizer = load_tokenizer(root, models.cfg.vocab_size)
     prompts = prompt_ids(given, tokenizer, root)
@@ -104,9 +113,9 @@ def _generate(args: argparse.Namespace) -> int:
         engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                             progress=sys.stderr.isatty())  # a capture progress bar
         result = engine.generate(prompts, args.max_new_tokens)
-    else:
-        result = MODES[args.mode](models.target, prompts, args.max_new_tokens,
-                                  max_context=cfg.pool.max_context)
+    else:  # every rank runs the same decoding (its collectives need them all)
+        result = mirror(group, models, f"{args.mode}_generate", prompts, args.max_new_tokens,
+                        max_context=cfg.pool.max_context)
     reqs = [_request(p, ids, out, tokenizer)
             for p, ids, out in zip(given, prompts, result.outputs)]
     if args.json:
@@ -162,17 +171,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> int:
     """The main job: the replay benchmark on the config (default: the embedded CPU one)."""
-    cfg = load_run_config(args.config, checkpoint=args.checkpoint,
-                          graph={"backend": args.backend},
-                          bench={"compile_peer": args.compile_peer})
-    _check_device(cfg.device)
-    _pin_threads(args.threads, cfg.device)
     st = BenchSettings(warmup_rounds=args.warmup_rounds, timed_rounds=args.rounds,
                        repeats=args.repeats)
     report = run_bench(cfg, args.config or "embedded default", st, Path(args.out),
-                       Path(args.json) if args.json else None, progress=not args.quiet)
+                       Path(args.json) if args.json else None, progress=not args.quiet,
+                       group=group)
     print(table(report))
     print(f"wrote {report['outputs']['json']}, {report['outputs']['markdown']} and "
           f"{len(report['outputs']['plots'])} plots in {args.out} "
@@ -214,6 +219,12 @@ def _add_threads(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads on CPU (default 1: tiny widths)")
 
 
+def _add_tp(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=POSITIVE, default=None,
+                        help="tensor-parallel ranks (YAML parallel.tp); without torchrun, "
+                             "this machine starts them itself")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn-graph", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -233,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_threads(bench)
+    _add_tp(bench)
     demo = sub.add_parser("demo", help="spec, plain and reference decoding side by side")
     demo.add_argument("--checkpoint", help="checkpoint dir (default: builtin:tiny-trained)")
     demo.add_argument("--max-new-tokens", type=POSITIVE, default=32)
@@ -269,12 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="graph backend for --mode spec (overrides the config's graph.backend)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     _add_threads(gen)
+    _add_tp(gen)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return _run(build_parser().parse_args(argv))
+        return _run(build_parser().parse_args(argv), argv)
     except NextnGraphError as exc:
         print(f"nextn-graph: error: {exc}", file=sys.stderr)
         return 2
@@ -284,17 +298,71 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _run(args: argparse.Namespace) -> int:
+def _command(name: str):
+    """The (config, body) of a command that runs on tensor-parallel ranks."""
+    return {"generate": (_run_config, _generate), "bench": (_bench_config, _bench)}[name]
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "make-checkpoint":
         print(make_checkpoint(args.preset, args.out, args.seed, args.shard_bytes, args.quantize))
         return 0
-    if args.command == "generate":
-        return _generate(args)
     if args.command == "demo":
         return _demo(args)
     if args.command is None:
-        args = build_parser().parse_args(["bench"])
-    return _bench(args)
+        argv = ["bench"]
+        args = build_parser().parse_args(argv)
+    cfg = _command(args.command)[0](args)
+    group = group_from_env(cfg.device, cfg.parallel.timeout_s)  # launched by torchrun
+    if group is not None:
+        try:
+            if group.size != cfg.parallel.tp:
+                raise ConfigError(f"torchrun started {group.size} processes but the config "
+                                  f"asks for parallel.tp = {cfg.parallel.tp} (set "
+                                  f"parallel.tp or --tp to {group.size})")
+            status = _ranked(args, cfg, group)
+        except BaseException:
+            close_group(group, orderly=False)
+            raise
+        close_group(group)
+        _exit_rank(status)
+    if cfg.parallel.tp > 1:  # start the ranks on this machine; rank 0's status is ours
+        return spawn(_rank_entry, cfg.parallel.tp, (argv,), cfg.device,
+                     cfg.parallel.timeout_s, lead_decides=True)[0]
+    return _ranked(args, cfg, TPGroup.single())
+
+
+def _exit_rank(status: int) -> None:
+    """End a torchrun rank now that its group is closed. A normal interpreter exit after a
+    gloo group (torch 2.13) sometimes aborts in a C++ destructor ("terminate called
+    without an active exception", SIGABRT) after all work is done, which torchrun then
+    reports as a failed run; leaving with ``os._exit`` skips those destructors."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _rank_entry(group: TPGroup, argv: list[str]) -> int:
+    """One spawned rank (``--tp N``): the same command, on its rank of the group."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _ranked(args, _command(args.command)[0](args), group)
+    except NextnGraphError as exc:
+        print(f"nextn-graph: error (rank {group.rank}): {exc}", file=sys.stderr)
+        return 2
+
+
+def _ranked(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> int:
+    """Rank 0 runs the command and drives the others; every other rank loads its slices
+    of the model and follows rank 0 (``parallel.follower``) until it shuts down."""
+    _pin_threads(args.threads, cfg.device)
+    if not group.is_driver:
+        models, _ = load_on_ranks(cfg, group)
+        serve(models, group)
+        return 0
+    status = _command(args.command)[1](args, cfg, group)
+    shutdown(group)  # not on an error: the followers then see rank 0 go and exit
+    return status
 
 
 if __name__ == "__main__":

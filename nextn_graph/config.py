@@ -77,6 +77,20 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # Tensor-parallel ranks (heads, vocab and experts split, see parallel/sharding.py).
+    # Under torchrun it must equal the world size; otherwise `--tp N`/this key spawns them.
+    tp: int = 1
+    # Bound on every collective and control message: a dead or hung rank ends the
+    # others with an error after this long. Rank 0 must step at least this often.
+    timeout_s: int = 300
+
+
+MAX_TP = 1024
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
 class RunConfig:
     checkpoint: str = "builtin:tiny-trained"  # a directory, or builtin:NAME
     dtype: str = "fp32"  # fp32 | bf16
@@ -86,6 +100,7 @@ class RunConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -257,7 +272,17 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
         raise ConfigError(f"{where}: key 'graph.backend' {graph.backend!r} needs device "
                           f"{needs!r}, but key 'device' is {cfg.device!r}")
     graph = resolve_compile(graph, cfg.device, where)
+    check_parallel(cfg.parallel, where)
     return dataclasses.replace(cfg, speculative=spec, graph=graph)
+
+
+def check_parallel(par: ParallelConfig, where: str) -> None:
+    if not 1 <= par.tp <= MAX_TP:
+        raise ConfigError(f"{where}: key 'parallel.tp' must lie in [1, {MAX_TP}], "
+                          f"got {par.tp}")
+    if not 1 <= par.timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{where}: key 'parallel.timeout_s' must lie in "
+                          f"[1, {MAX_TIMEOUT_S}] seconds, got {par.timeout_s}")
 
 
 def resolve_compile(graph: GraphConfig, device: str, where: str,

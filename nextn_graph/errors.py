@@ -33,6 +33,10 @@ class CapacityError(NextnGraphError):
     """The KV pool cannot hold what was asked of it."""
 
 
+class ParallelError(NextnGraphError):
+    """A tensor-parallel launch or group failed: a rank died, timed out or disagreed."""
+
+
 class RequestFailed(NextnGraphError):
     """A fault inside a step (a kernel error, out of memory) failed these requests.
 

@@ -11,6 +11,11 @@ Quantized weights (an FP8 or packed FP4 ``.weight`` beside its ``.scale``, see
 ``model.quant``) become ``QuantLinear`` modules holding the stored bits
 (``weights="quantized"``), or are expanded to ``dtype`` as they are read
 (``"dequantized"``). Errors name the directory (or file) and the key.
+
+Under tensor parallelism (``tp``) each rank builds its local shapes and reads only its
+slices (``parallel/sharding.py``): a dim-0 slice is one positioned read of its bytes,
+a dim-1 slice one read per row; other ranks' experts are never read. Header checks
+compare the checkpoint's global shapes with the model's local ones through the table.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from .model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfi
 from .model.config import check_model_fits, config_from_dict, physical_memory_bytes
 from .model.quant import (FP4_VALUES, QuantConfig, QuantLinear, as_bits, check_quant_values,
                           check_scale, dequantize, quant_config, quant_format)
+from .parallel.group import TPGroup
+from .parallel.sharding import global_shape, is_foreign, part_for, quant_parts
 from .progress import progress_bar
 from .textfile import parse_json, read_text
 from .weights import Shards, TensorInfo, scan
@@ -50,13 +57,19 @@ class LoadedModel:
     cfg: ModelConfig
     target: DeepseekV4ForCausalLM
     draft: DeepseekV4ForCausalLMNextN
+    bytes_read: int = 0  # checkpoint tensor bytes this rank read to load it (0: not loaded)
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.target.tp
 
 
-def build_models(cfg: ModelConfig) -> LoadedModel:
-    """Target and draft as built: fp32 on the host, or nothing under a meta device."""
+def build_models(cfg: ModelConfig, tp: TPGroup | None = None) -> LoadedModel:
+    """Target and draft as built (this rank's shards under ``tp``): fp32 on the host, or
+    nothing under a meta device."""
     if torch.empty(0).device.type != "meta":
         check_model_fits(cfg, "model config")
-    target = DeepseekV4ForCausalLM(cfg)
+    target = DeepseekV4ForCausalLM(cfg, tp)
     return LoadedModel(cfg, target, DeepseekV4ForCausalLMNextN(cfg, target))
 
 
@@ -79,13 +92,14 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", weights: str = "quantized",
-                    progress: bool = False) -> LoadedModel:
+                    progress: bool = False, tp: TPGroup | None = None) -> LoadedModel:
     """Load target and draft from a checkpoint directory; errors name file and key.
 
     ``weights``: ``quantized`` keeps FP8/FP4 weights as stored (a no-op for a bf16
     checkpoint), ``dequantized`` expands them to ``dtype``. ``progress``: a bar over
-    the shards on stderr.
+    the shards on stderr. ``tp``: load this rank's shards only.
     """
+    tp = tp if tp is not None else TPGroup.single()
     if weights not in WEIGHTS_MODES:
         raise CheckpointError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
     root = resolve_checkpoint(path)
@@ -99,20 +113,25 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     _check_mtp(root, infos)
     aliases = {k: infos.pop(k) for k in ALIASES if k in infos}
     with torch.device("meta"):
-        models = build_models(cfg)
-        plan = _quant_plan(root, models, infos, qcfg)
+        models = build_models(cfg, tp)
+        # other ranks' experts: neither built nor read here (their owner checks them)
+        infos = {k: v for k, v in infos.items() if not is_foreign(k, cfg.n_routed_experts, tp)}
+        plan, parts = _quant_plan(root, models, infos, qcfg)
         if weights == "quantized":
             for base, fmt in plan.items():
                 _swap_linear(models, base, fmt, infos[base + ".scale"].dtype == torch.float32)
     expected = expected_state(models)
-    _check_layout(root, infos, expected, cfg, plan, weights)
+    _check_layout(root, infos, expected, plan, weights, tp)
     for key, info in aliases.items():
-        shared = expected[ALIASES[key]]
-        if info.shape != tuple(shared.shape):
+        shared = global_shape(ALIASES[key], tuple(expected[ALIASES[key]].shape), tp)
+        if info.shape != shared:
             raise CheckpointError(f"{root}: tensor {key!r} (a copy of {ALIASES[key]!r}) has "
-                                  f"shape {list(info.shape)}, expected {list(shared.shape)}")
+                                  f"shape {list(info.shape)}, expected {list(shared)}")
     _check_fits(root, models, expected, plan, weights, dtype, device)
-    _stream(root, models, infos, expected, plan, weights, dtype, device, progress)
+    for key in expected:
+        parts.setdefault(key, part_for(key, infos[key].shape, tp))
+    models.bytes_read = _stream(root, models, infos, expected, plan, parts, weights, dtype,
+                                device, progress)
     for module in (models.target, models.draft):
         module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return models
@@ -143,9 +162,13 @@ def _check_mtp(root: Path, infos: dict[str, TensorInfo]) -> None:
 
 
 def _quant_plan(root: Path, models: LoadedModel, infos: dict[str, TensorInfo],
-                qcfg: QuantConfig | None) -> dict[str, str]:
-    """Linear layers stored quantized: module path -> 'fp8' | 'fp4', every pair checked."""
+                qcfg: QuantConfig | None) -> tuple[dict[str, str], dict[str, tuple | None]]:
+    """Linear layers stored quantized: module path -> 'fp8' | 'fp4', every pair checked
+    against the linear's global [out, in]; and this rank's parts of their weights and
+    scales (whole scale blocks, or a named error)."""
     plan: dict[str, str] = {}
+    parts: dict[str, tuple | None] = {}
+    tp = models.tp
     for key, info in infos.items():
         base, _, name = key.rpartition(".")
         if name == "scale":
@@ -159,8 +182,10 @@ def _quant_plan(root: Path, models: LoadedModel, infos: dict[str, TensorInfo],
             module = _module(models, base)
             if not isinstance(module, nn.Linear):
                 continue  # an unexpected key: the layout check names it
-            check_scale(str(root), base, fmt, weight, info, module.out_features,
-                        module.in_features)
+            out, inp = global_shape(base + ".weight", (module.out_features,
+                                                       module.in_features), tp)
+            check_scale(str(root), base, fmt, weight, info, out, inp)
+            parts[base + ".weight"], parts[key] = quant_parts(str(root), base, fmt, out, inp, tp)
             plan[base] = fmt
         elif name == "weight" and quant_format(info.dtype) and base + ".scale" not in infos:
             raise CheckpointError(f"{root}: quantized weight {key!r} ({info.dtype}) has no "
@@ -172,7 +197,7 @@ def _quant_plan(root: Path, models: LoadedModel, infos: dict[str, TensorInfo],
     if fp4 and not qcfg.expert_fp4:
         raise CheckpointError(f"{root}: {fp4[0]!r} is FP4 but config.json's expert_dtype is "
                               f"not 'fp4'")
-    return plan
+    return plan, parts
 
 
 def _swap_linear(models: LoadedModel, base: str, fmt: str, fp32_scale: bool) -> None:
@@ -183,8 +208,9 @@ def _swap_linear(models: LoadedModel, base: str, fmt: str, fp32_scale: bool) -> 
 
 
 def _check_layout(root: Path, infos: dict[str, TensorInfo], expected: dict[str, torch.Tensor],
-                  cfg: ModelConfig, plan: dict[str, str], weights: str) -> None:
-    """Names, shapes and dtypes from the headers, before any data is read."""
+                  plan: dict[str, str], weights: str, tp: TPGroup) -> None:
+    """Names, shapes and dtypes from the headers, before any data is read; a tensor this
+    rank holds a slice of is checked at its global (checkpoint) shape."""
     consumed = {base + ".scale" for base in plan} if weights == "dequantized" else set()
     missing = sorted(set(expected) - set(infos))
     if missing:
@@ -197,9 +223,10 @@ def _check_layout(root: Path, infos: dict[str, TensorInfo], expected: dict[str, 
         info = infos[key]
         if key.rpartition(".")[0] in plan:
             continue  # weight and scale: checked together by check_scale
-        if info.shape != tuple(ref.shape):
+        want = global_shape(key, tuple(ref.shape), tp)
+        if info.shape != want:
             raise CheckpointError(f"{root}: tensor {key!r} has shape {list(info.shape)}, "
-                                  f"expected {list(ref.shape)}")
+                                  f"expected {list(want)}")
         if key.endswith("tid2eid"):
             if info.dtype.is_floating_point or info.dtype == torch.bool:
                 raise CheckpointError(f"{root}: tensor {key!r} has dtype {info.dtype}; expert "
@@ -252,8 +279,10 @@ def _check_fits(root: Path, models: LoadedModel, expected: dict[str, torch.Tenso
 
 
 def _stream(root: Path, models: LoadedModel, infos: dict[str, TensorInfo],
-            expected: dict[str, torch.Tensor], plan: dict[str, str], weights: str,
-            dtype: torch.dtype, device: torch.device | str, progress: bool) -> None:
+            expected: dict[str, torch.Tensor], plan: dict[str, str],
+            parts: dict[str, tuple | None], weights: str, dtype: torch.dtype,
+            device: torch.device | str, progress: bool) -> int:
+    """Read every tensor (this rank's part of it) into its module -> bytes read."""
     files = sorted({info.file for info in infos.values()})
     by_file: dict[str, list[str]] = {name: [] for name in files}
     for key in expected:
@@ -262,25 +291,31 @@ def _stream(root: Path, models: LoadedModel, infos: dict[str, TensorInfo],
     with Shards(root, infos) as shards:
         for done, name in enumerate(files, start=1):
             for key in by_file[name]:
-                value = _read(str(root / name), key, shards, models, plan, weights, dtype,
-                              table)
+                value = _read(str(root / name), key, shards, models, plan, parts, weights,
+                              dtype, table)
                 _assign(models, key, value.to(device))
             shards.close_file(name)
             if progress:
                 progress_bar(done, len(files), "loading shards")
+        return shards.bytes_read
+
+
+def _get(shards: Shards, key: str, part: tuple | None) -> torch.Tensor:
+    return shards.get(key) if part is None else shards.get_part(key, part)
 
 
 def _read(where: str, key: str, shards: Shards, models: LoadedModel, plan: dict[str, str],
-          weights: str, dtype: torch.dtype, table: torch.Tensor) -> torch.Tensor:
-    """One tensor, checked and in the form its module holds."""
-    t = shards.get(key)
+          parts: dict[str, tuple | None], weights: str, dtype: torch.dtype,
+          table: torch.Tensor) -> torch.Tensor:
+    """One tensor (this rank's part), checked and in the form its module holds."""
+    t = _get(shards, key, parts[key])
     base, _, name = key.rpartition(".")
     fmt = plan.get(base)
     if fmt is not None:
         check_quant_values(where, key, t)
         if weights == "quantized":
             return as_bits(t)
-        scale = shards.get(base + ".scale")
+        scale = _get(shards, base + ".scale", parts.get(base + ".scale"))
         check_quant_values(where, base + ".scale", scale)
         linear = _module(models, base)
         return dequantize(fmt, as_bits(t), as_bits(scale), linear.out_features,

@@ -4,7 +4,8 @@ A directory holds one ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. ``scan`` reads every file's header only (names,
 dtypes, shapes: no data), refusing both layouts at once, a listed shard that is
 missing, a ``*.safetensors`` the layout does not name, and a tensor in another
-shard than the index says. ``open_shards`` memory-maps them for a streamed read.
+shard than the index says. ``Shards`` reads tensors, or one rank's slice of them, with
+positioned reads.
 """
 
 from __future__ import annotations
@@ -120,12 +121,14 @@ def scan(root: Path) -> dict[str, TensorInfo]:
 class Shards:
     """The checkpoint's files, open while the ``with`` lasts; ``get(key)`` reads one tensor
     into a fresh buffer with a positioned read (a weight may need its scale from another
-    shard). Nothing is memory-mapped: the file's pages stay in the page cache, not in
-    this process, so host memory while loading grows by one tensor at a time."""
+    shard), ``get_part`` one rank's slice of it. Nothing is memory-mapped: the file's
+    pages stay in the page cache, not in this process, so host memory while loading
+    grows by one tensor at a time. ``bytes_read`` counts the tensor bytes read."""
 
     def __init__(self, root: Path, infos: dict[str, TensorInfo]):
         self.root, self.infos = root, infos
         self._files: dict[str, tuple] = {}  # name -> (open file, data start, header)
+        self.bytes_read = 0
 
     def __enter__(self) -> "Shards":
         return self
@@ -143,7 +146,7 @@ class Shards:
         if name not in self._files:
             path = self.root / name
             try:
-                f = open(path, "rb")
+                f = open(path, "rb", buffering=0)  # unbuffered: read exactly what is asked
                 size = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(size))
             except (OSError, ValueError) as exc:
@@ -151,21 +154,56 @@ class Shards:
             self._files[name] = (f, 8 + size, header)
         return self._files[name]
 
-    def get(self, key: str) -> torch.Tensor:
+    def _locate(self, key: str) -> tuple:
+        """(open file, file offset of the data, stored shape) of one tensor, checked."""
         info = self.infos[key]
         f, start, header = self._open(info.file)
         begin, end = header[key]["data_offsets"]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        f.seek(start + begin)
-        if f.readinto(memoryview(buf.numpy())) != end - begin:
-            raise CheckpointError(f"{self.root / info.file}: tensor {key!r} is truncated")
         shape = info.shape
         if info.dtype == torch.float4_e2m1fn_x2 and _numel(shape) == 2 * (end - begin):
             shape = (*shape[:-1], shape[-1] // 2)  # the header counts 4-bit values
         if _numel(shape) * info.dtype.itemsize != end - begin:
             raise CheckpointError(f"{self.root / info.file}: tensor {key!r} holds "
                                   f"{end - begin} bytes, not {list(shape)} x {info.dtype}")
-        return buf.view(info.dtype).reshape(shape)
+        return f, start + begin, shape
+
+    def _read_into(self, key: str, f, offset: int, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            f.seek(offset + done)
+            n = f.readinto(view[done:])
+            if not n:
+                raise CheckpointError(f"{self.root / self.infos[key].file}: tensor {key!r} "
+                                      f"is truncated")
+            done += n
+        self.bytes_read += done
+
+    def get(self, key: str) -> torch.Tensor:
+        f, offset, shape = self._locate(key)
+        dtype = self.infos[key].dtype
+        buf = torch.empty(_numel(shape) * dtype.itemsize, dtype=torch.uint8)
+        self._read_into(key, f, offset, memoryview(buf.numpy()))
+        return buf.view(dtype).reshape(shape)
+
+    def get_part(self, key: str, part: tuple[int, int, int]) -> torch.Tensor:
+        """Indices [start, start + length) of dim ``dim`` of one tensor (stored units),
+        ``part = (dim, start, length)``, read and nothing else: a dim-0 slice is one
+        contiguous read, a slice of a later dim one read per leading row."""
+        dim, start, length = part
+        f, offset, shape = self._locate(key)
+        dtype = self.infos[key].dtype
+        if not 0 <= start <= start + length <= shape[dim]:
+            raise CheckpointError(f"{self.root / self.infos[key].file}: tensor {key!r} "
+                                  f"{list(shape)} has no [{start}, {start + length}) on dim {dim}")
+        inner = _numel(shape[dim + 1:]) * dtype.itemsize  # bytes of one index of dim
+        leading = _numel(shape[:dim])  # rows that each hold one run of the slice
+        run = length * inner
+        buf = torch.empty(leading * run, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        for row in range(leading):
+            pos = offset + row * shape[dim] * inner + start * inner
+            self._read_into(key, f, pos, view[row * run:(row + 1) * run])
+        return buf.view(dtype).reshape(*shape[:dim], length, *shape[dim + 1:])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -72,7 +72,7 @@ def _temporaries(root) -> list:
 def _no_measurement(monkeypatch):
     def boom(*args, **kwargs):
         pytest.fail("the bench started loading/measuring despite a bad output path")
-    monkeypatch.setattr(run_mod, "load_checkpoint", boom)
+    monkeypatch.setattr(run_mod, "load_on_ranks", boom)
     monkeypatch.setattr(run_mod, "build_engines", boom)
 
 
@@ -180,7 +180,8 @@ def test_ctrl_c_is_held_until_the_renames_are_done():
 
 @pytest.mark.parametrize("command, argv", [
     ("_bench", ["bench"]),
-    ("_generate", ["generate", "--prompts", "p.jsonl", "--max-new-tokens", "2"]),
+    ("_generate", ["generate", "--checkpoint", "builtin:tiny-trained", "--prompts", "p.jsonl",
+                   "--max-new-tokens", "2"]),
     ("_demo", ["demo"]),
     ("make_checkpoint", ["make-checkpoint", "--out", "ckpt"]),
 ])

@@ -231,7 +231,7 @@ def test_no_arguments_runs_the_bench(monkeypatch):
     import nextn_graph.cli as cli
 
     seen = []
-    monkeypatch.setattr(cli, "_bench", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(cli, "_bench", lambda args, cfg, group: seen.append(args) or 0)
     assert main([]) == 0
     assert len(seen) == 1
     assert vars(seen[0]) == vars(cli.build_parser().parse_args(["bench"]))

@@ -164,7 +164,8 @@ def test_graph_round_counts_every_submission():
     assert res.preds == [[4 * 3 * 3] * 2]
     assert delta == {"rounds": 1, "graph_replays": 1, "staging_copies": 1,
                      "readback_copies": 1, "graph_updates": 2, "eager_fallbacks": 0,
-                     "bucket_splits": 0, "padded_rows": 1, "real_rows": 1}
+                     "bucket_splits": 0, "padded_rows": 1, "real_rows": 1,
+                     "graph_collectives": 0}
     assert ReplayCounters(**delta).submissions() == 1 + 1 + 1 + 2
 
 

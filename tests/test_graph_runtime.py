@@ -380,7 +380,8 @@ def test_steady_round_costs(engines, num_steps, replays):
         delta = {k: v - before[k] for k, v in eng.runner.counters.as_dict().items()}
         assert delta == {"rounds": 1, "graph_replays": replays, "staging_copies": 1,
                          "readback_copies": 1, "graph_updates": 0, "eager_fallbacks": 0,
-                         "bucket_splits": 0, "padded_rows": 1, "real_rows": 3}
+                         "bucket_splits": 0, "padded_rows": 1, "real_rows": 3,
+                         "graph_collectives": 0}
     while eng.has_work:
         eng.step()
 

@@ -136,9 +136,11 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
             times.append(elapsed)
             tokens += sum(len(o.new_tokens) for o in outs)
     counters_before = engine.runner.counters.as_dict()
+    issued_before = engine.tp.counts.as_dict()
     counted = count_round(engine.runner, lambda: _steady(engine.step(), len(prompts)),
                           counter(str(engine.device)), trace_replays)
     counters = {k: v - counters_before[k] for k, v in engine.runner.counters.as_dict().items()}
+    issued = {k: v - issued_before[k] for k, v in engine.tp.counts.as_dict().items()}
     after = engine.stats.as_dict()
     for rid in rids:
         engine.abort(rid)
@@ -152,6 +154,11 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
         "replays": counters["graph_replays"], "staging_copies": counters["staging_copies"],
         "readback_copies": counters["readback_copies"], "updates": counters["graph_updates"],
         "eager_fallbacks": counters["eager_fallbacks"],
+        # tensor parallelism: device collectives of the counted round (issued eagerly,
+        # or inside replayed graphs) and rank 0's control messages to the others
+        "collectives": issued["all_reduce"] + issued["all_gather"]
+        + counters["graph_collectives"],
+        "control_messages": issued["control"],
         "accepted": after["accepted_drafts"] - before["accepted_drafts"],
         "request_rounds": after["request_rounds"] - before["request_rounds"],
         "proposed": after["proposed_drafts"] - before["proposed_drafts"],
@@ -184,6 +191,8 @@ def _summary(runs: list[dict], graph: bool) -> dict:
         by_phase = {**last["phase_launches"], OUTSIDE_PHASES: last["outside_phase_launches"]}
     return {
         "submissions_per_round": sum(by_phase.values()), "submissions": by_phase,
+        "collectives_per_round": last["collectives"],
+        "control_messages_per_round": last["control_messages"],
         "counted_as": COUNTED_AS if graph else last["count_method"],
         "replays_per_round": last["replays"] if graph else 0, **_timing(runs),
     }

@@ -23,14 +23,29 @@ HEADER = ("bucket", "NextN fwd", "eager subm", "graph subm", "replays", "subm ra
           "eager ms", "graph ms", "graph/eager", "acc len", "spec/plain")
 # with a compile peer (bench.compile_peer): its launches, latency, and latency over graphs
 PEER_HEADER = ("compile subm", "compile ms", "compile/graph")
+# with tensor parallelism (parallel.tp > 1): device collectives per steady round, eager
+# and inside the graphs, and rank 0's control messages (1 per round)
+TP_HEADER = ("eager coll", "graph coll", "control")
 
 
 NO_GRAPH = "-"  # a graph column of the eager backend, which has no graphs
 EAGER_NOTE = "the eager backend has no graphs (nothing captured, no padding)"
 
 
+def _tp(report: dict) -> bool:
+    return report.get("parallel", {}).get("tp", 1) > 1
+
+
 def _header(report: dict) -> tuple[str, ...]:
-    return HEADER + (PEER_HEADER if report["settings"].get("compile_peer") else ())
+    return (HEADER + (PEER_HEADER if report["settings"].get("compile_peer") else ())
+            + (TP_HEADER if _tp(report) else ()))
+
+
+def _tp_cells(r: dict) -> tuple[str, ...]:
+    e, g = r["eager"], r["graph"]
+    return (str(e["collectives_per_round"]),
+            str(g["collectives_per_round"]) if g else NO_GRAPH,
+            str((g or e)["control_messages_per_round"]))
 
 
 def _peer_cells(r: dict) -> tuple[str, ...]:
@@ -53,7 +68,8 @@ def _rows(report: dict) -> list[tuple[str, ...]]:
                      f"{g['round_ms_median']:.2f}" if g else NO_GRAPH,
                      f"{r['latency_ratio']:.2f}" if g else NO_GRAPH,
                      f"{sp['acceptance_length']:.2f}", f"{sp['speedup']:.2f}x",
-                     *(_peer_cells(r) if r.get("compile") else ())))
+                     *(_peer_cells(r) if r.get("compile") else ()),
+                     *(_tp_cells(r) if _tp(report) else ())))
     return rows
 
 
@@ -91,7 +107,9 @@ def table(report: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     s = report["settings"]
-    head = (f"backend {s['backend']}, torch {s['torch']}, {s['threads']} thread(s); "
+    tp = report.get("parallel", {}).get("tp", 1)
+    head = (f"backend {s['backend']}, torch {s['torch']}, {s['threads']} thread(s)"
+            f"{f', tp {tp} ranks' if tp > 1 else ''}; "
             f"per steady round, medians of {s['bench']['repeats']} repeats")
     return "\n".join([head, *lines, *_summary_lines(report)])
 

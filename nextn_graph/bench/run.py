@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_checkpoint
 from ..loader import weight_bytes
 from ..config import RunConfig, compile_peer
 from ..graph.runner import plan_chunks
+from ..parallel.group import TPGroup
+from ..parallel.launch import load_on_ranks
 from ..progress import progress_bar
 from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
 from .report import check_outputs, write_outputs
@@ -41,11 +42,14 @@ def _capture(engine, plain=None) -> dict:
 
 
 def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
-              json_path: Path | None = None, progress: bool = True) -> dict:
+              json_path: Path | None = None, progress: bool = True,
+              group: TPGroup | None = None) -> dict:
+    """On a tensor-parallel group this is rank 0's part; the others follow it."""
     check_outputs(out_dir, json_path)  # a bad path fails now, not after the measurement
     compile_peer(cfg, where)  # and so does a peer the device cannot run
     start = time.perf_counter()
-    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights, progress)
+    group = group or TPGroup.single()
+    models, per_rank = load_on_ranks(cfg, group, progress)
     engines = build_engines(models, cfg, progress)
     buckets = cfg.graph.buckets
     prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)
@@ -76,6 +80,9 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
         "compile_capture": _capture(engines.compile_spec) if engines.compile_spec else None,
         # resident weight bytes by storage: FP8/FP4 bits and scales, float tensors
         "weights": weight_bytes(models),
+        # tensor parallelism: ranks, and each rank's resident weight bytes, split (its
+        # 1/tp of the sharded tensors) and replicated
+        "parallel": {"tp": group.size, "weights_per_rank": per_rank},
         "kv_pool_mb": {  # the speculative engine's pools: what a deployment sizes
             "target": engines.spec.models.target_pool.nbytes() / 2**20,
             "draft": engines.spec.models.draft_pool.nbytes() / 2**20,

@@ -252,6 +252,10 @@ class CompileBackend:
         except torch._dynamo.exc.Unsupported as exc:  # a graph break under fullgraph
             raise CaptureError(f"torch.compile ({self.compiler.label}) cannot capture "
                                f"{label} as one graph: {str(exc)[:500]}") from exc
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # e.g. AOT autograd cannot
+            # functionalize an op whose output aliases its input (_c10d_functional.all_reduce_)
+            raise CaptureError(f"torch.compile ({self.compiler.label}) traced {label} but "
+                               f"could not compile it: {str(exc)[:500]}") from exc
         finally:
             self._capturing = False
         if self.compiler.cuda_graphs and _cudagraph_skips() > skips:  # inductor only warns

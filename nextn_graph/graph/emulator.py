@@ -6,7 +6,10 @@ same tensors. What a real graph cannot hold is refused at capture, naming the
 op and the line that called it: host syncs (``.item()``, ``.tolist()``,
 ``bool()``/``int()`` of a tensor, ``nonzero``, boolean-mask indexing,
 ``unique``, ``repeat_interleave`` without ``output_size``), tensors built from
-host data, and RNG. A failed capture leaves the graph empty.
+host data, RNG, and host-side collectives (``torch.distributed.all_reduce``...).
+Functional collectives (``_c10d_functional``) replay: re-issued on the captured
+input, waited for and copied into the captured output, in capture order
+(``collectives.py``). A failed capture leaves the graph empty.
 
 Like ``torch.npu.NPUGraph`` with ``auto_dispatch_capture=True``, ops found in
 the graph's ``updatable`` registry (kernels that take host sequence lengths) are
@@ -29,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import NextnGraphError
+from . import collectives
 from .steps import copy_into, fast_out_step, out_variant, precast_scalars, share_memory, tensors
 
 aten = torch.ops.aten
@@ -92,6 +96,15 @@ def _forbidden(func, args, kwargs) -> str | None:
     return None
 
 
+def _refusal(func, args, kwargs) -> str | None:
+    why = _forbidden(func, args, kwargs)
+    if why is None:
+        return None
+    what = f"aten.{func.__name__}"  # inside broadcast_object_list & co, name that instead
+    return (collectives.host_collective(f"{what}: {why}")
+            or f"capture: {what} is not graph-safe: {why}")
+
+
 @dataclass
 class _UpdateRecord:
     func: Any
@@ -107,7 +120,9 @@ class _SyncGuard(TorchFunctionMode):
         if func is torch.Tensor.to and _to_host(args[1:], kwargs):
             what = ".to('cpu') (a device-to-host copy)"
         if what:
-            raise CaptureError(f"capture: {what} is a host sync, called at {_call_site()}")
+            inside = collectives.host_collective(what)
+            raise CaptureError(f"{inside or f'capture: {what} is a host sync'}, called at "
+                               f"{_call_site()}")
         return func(*args, **kwargs)
 
 
@@ -123,10 +138,9 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        why = _forbidden(func, args, kwargs)
-        if why:
-            raise CaptureError(f"capture: aten.{func.__name__} is not graph-safe: {why}; "
-                               f"called at {_call_site()}")
+        refused = collectives.refusal(func) or _refusal(func, args, kwargs)
+        if refused:
+            raise CaptureError(f"{refused}; called at {_call_site()}")
         out = func(*args, **kwargs)
         self.graph._record(func, args, kwargs, out)
         return out
@@ -140,11 +154,13 @@ class CpuGraph:
     updatable: Any = None  # an UpdateRegistry (or anything with .find(func)), or None
     steps: list[Callable[[], None]] = field(default_factory=list)
     updates: list[_UpdateRecord] = field(default_factory=list)
+    collective_ops: list[str] = field(default_factory=list)  # in capture (= replay) order
     outputs: Any = None
     nbytes: int = 0
     _updated: bool = False
     _modes: contextlib.ExitStack | None = None
     _uses: list = field(default_factory=list)  # per step: (tensors read, fresh outputs)
+    _issued: list = field(default_factory=list)  # tensors of the collectives issued so far
 
     @property
     def update_ops(self) -> list[str]:
@@ -155,10 +171,15 @@ class CpuGraph:
     def num_ops(self) -> int:
         return len(self.steps)
 
+    @property
+    def num_collectives(self) -> int:
+        """Collective steps: what one replay issues on every rank (waits not counted)."""
+        return len(self.collective_ops)
+
     def capture_begin(self) -> None:
         """Start recording (the ``with torch.npu.graph(g)`` style); see ``capture``."""
         self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
-        self._uses = []
+        self._uses, self.collective_ops, self._issued = [], [], []
         self._modes = contextlib.ExitStack()
         for mode in (torch.no_grad(), _SyncGuard(), _Recorder(self)):
             self._modes.enter_context(mode)
@@ -167,10 +188,12 @@ class CpuGraph:
         """Stop recording; ``keep``: outputs whose memory must outlive the replay."""
         self._modes.close()
         if failed:  # leave nothing half-captured behind
+            collectives.wait_all(self._issued)
             self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
+            self.collective_ops = []
         else:
             self.nbytes = share_memory(self._uses, tensors(keep))
-        self._uses = []
+        self._uses, self._issued = [], []
         self._updated = False
 
     def capture(self, fn: Callable[[], Any]) -> Any:
@@ -188,6 +211,9 @@ class CpuGraph:
     def _record(self, func, args, kwargs, out) -> None:
         schema = func._schema
         writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if collectives.is_functional(func):
+            self._record_collective(func, args, kwargs, out, writes)
+            return
         entry = self.updatable.find(func) if self.updatable is not None else None
         if entry is not None:
             rec = _UpdateRecord(func, list(args), dict(kwargs), list(entry.spec))
@@ -216,6 +242,15 @@ class CpuGraph:
             self.steps.append(fast_out_step(func, out_op, args, kwargs, outs))
         else:
             self.steps.append(lambda: copy_into(outs, func._op(*args, **kwargs)))
+
+    def _record_collective(self, func, args, kwargs, out, writes: bool) -> None:
+        if collectives.is_wait(func):
+            return  # the collective's own step waits for it
+        outs = tensors(out)
+        self._issued.extend(outs)
+        self.collective_ops.append(collectives.op_name(func))
+        self.steps.append(collectives.collective_step(func, args, kwargs, outs, writes))
+        self._uses.append((tensors(list(args) + list(kwargs.values())), [] if writes else outs))
 
     def update(self, cpu_update_input: list[dict]) -> None:
         """Rewrite recorded host arguments: one dict per updatable op (or one for all)."""

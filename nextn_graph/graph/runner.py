@@ -26,6 +26,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
 from ..runtime.buffers import RoundBuffers, RoundPhases
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
@@ -54,6 +55,9 @@ class ReplayCounters:
     eager_fallbacks: int = 0  # phases run eagerly on a graph backend (kind not captured)
     bucket_splits: int = 0  # rounds larger than the largest bucket, split in chunks
     padded_rows: int = 0  # padding requests replayed alongside real ones
+    # collectives inside the replayed graphs (tensor parallelism): not submissions of
+    # their own, each is part of its graph's replay
+    graph_collectives: int = 0
     real_rows: int = 0
 
     def as_dict(self) -> dict:
@@ -136,9 +140,13 @@ class RoundRunner:
     graphs: dict[tuple[str, int], Graph] = field(default_factory=dict)
     records: list[CaptureRecord] = field(default_factory=list)
     counters: ReplayCounters = field(default_factory=ReplayCounters)
+    # The tensor-parallel group's counts of collectives issued from Python (a capture
+    # issues a graph's once; replays re-issue them unseen); None: no group.
+    collectives: CollectiveCounts | None = None
     # Profiling hook: tracer(kind, replayed) -> context manager around each phase.
     tracer: Callable[[str, bool], ContextManager] | None = None
     _addresses: dict[str, int] = field(default_factory=dict)
+    _collectives: dict[tuple[str, int], int] = field(default_factory=dict)  # per graph
     _host: HostTransfers = field(init=False)
 
     def __post_init__(self) -> None:
@@ -165,13 +173,20 @@ class RoundRunner:
                 with self.backend.warmup_context():  # cuda: the capture's side stream
                     for _ in range(self.warmup):
                         fn()
+                issued = self._issued()
                 graph, record = timed_capture(self.backend, fn, pool, kind, bucket)
+                # what the capture issued from Python is what each replay re-issues
+                self._collectives[(kind, bucket)] = self._issued() - issued
             self.graphs[(kind, bucket)] = graph
             self.records.append(record)
             if progress:
                 progress_bar(i, len(todo), f"captured {kind} B={bucket} in {record.seconds:.2f}s")
         self._addresses = self._snapshot()
         return self.records
+
+    def _issued(self) -> int:
+        """Collectives the model's tensor-parallel group issued from Python so far."""
+        return self.collectives.total() if self.collectives is not None else 0
 
     def _snapshot(self) -> dict[str, int]:
         return {name: t.data_ptr() for name, t in self.phases.static_tensors().items()}
@@ -192,11 +207,13 @@ class RoundRunner:
     def _stage(self, slots: list[int], bucket: int) -> None:
         self._host.upload(slots, bucket, self.phases.bufs.slots)
 
-    def run_chunk(self, slots: list[int], lengths: list[int], bucket: int) -> RoundResult:
+    def run_chunk(self, slots: list[int], lengths: list[int], bucket: int,
+                  read: bool = True) -> RoundResult | None:
         """One decode round for requests at state ``slots`` (their committed copies)
         with committed ``lengths``, replayed at ``bucket``. The next state lands in
         the other copies; nothing is committed here, so a raise leaves every
-        request's committed state as it was."""
+        request's committed state as it was. ``read`` False (tensor-parallel ranks
+        other than 0): nothing is read back."""
         b = len(slots)
         c = self.counters
         c.rounds, c.real_rows, c.padded_rows = c.rounds + 1, c.real_rows + b, c.padded_rows + bucket - b
@@ -208,7 +225,7 @@ class RoundRunner:
             graph = self.graphs.get((kind, bucket))
             with self.tracer(kind, graph is not None) if self.tracer else nullcontext():
                 self._run_phase(kind, bucket, graph, slots, lengths)
-        return self._readback(b)
+        return self._readback(b) if read else None
 
     def _run_phase(self, kind: str, bucket: int, graph: Graph | None, slots: list[int],
                    lengths: list[int]) -> None:
@@ -224,8 +241,11 @@ class RoundRunner:
             ctx = UpdateContext(bucket, self.num_steps + 1, rows + pad, tuple(lengths) + pad)
             update = self.updates.derive(graph.update_ops, ctx)
             c.graph_updates += len(update)  # the NPU graph updates one task per op
+        issued = self._issued()
         graph.replay(update)
         c.graph_replays += 1
+        if self._issued() == issued:  # a compiled graph counts its own (Dynamo replays the
+            c.graph_collectives += self._collectives.get((kind, bucket), 0)  # increments)
 
     def _readback(self, b: int) -> RoundResult:
         """The round's one host sync: one copy of b rows [accept_len, preds, drafts]."""

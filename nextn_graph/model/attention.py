@@ -15,6 +15,7 @@ from torch import nn
 
 from ..memory.batch import ForwardBatch
 from ..memory.pool import LayerCache
+from ..parallel.group import TPGroup
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
 from .ops import RMSNorm, RopeTable, apply_rope, rms_norm, sink_attention
@@ -22,12 +23,17 @@ from .quant import linear_weight
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int):
+    """Under tensor parallelism a rank holds its heads (``wq_b``, ``attn_sink``) and their
+    output groups (``wo_a``, ``wo_b``'s columns); the one K=V head is replicated."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, tp: TPGroup):
         super().__init__()
-        self.ratio = ratio
-        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.ratio, self.tp = ratio, tp
+        _, self.n_heads = tp.part(cfg.num_attention_heads, "num_attention_heads")  # local
+        _, self.n_groups = tp.part(cfg.o_groups, "o_groups")  # local
+        self.head_dim = cfg.head_dim
         self.window = cfg.sliding_window
-        self.n_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.o_rank = cfg.o_lora_rank
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
@@ -36,13 +42,13 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        group_in = self.n_heads * self.head_dim // self.n_groups
+        group_in = cfg.num_attention_heads * self.head_dim // cfg.o_groups
         self.wo_a = nn.Linear(group_in, self.n_groups * self.o_rank, bias=False)
         self.wo_b = nn.Linear(self.n_groups * self.o_rank, cfg.hidden_size, bias=False)
         if ratio:
             self.compressor = Compressor(cfg, ratio, self.head_dim)
         if ratio == 4:
-            self.indexer = Indexer(cfg, ratio)
+            self.indexer = Indexer(cfg, ratio, tp)
         self.rope = RopeTable(cfg, compressed=ratio > 0)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -54,13 +60,16 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(kv, cos, sin), qr
 
     def _output(self, q, keys, valid, positions) -> torch.Tensor:
-        """Attend, undo RoPE, grouped low-rank output: -> [T, D]."""
+        """Attend, undo RoPE, grouped low-rank output: -> [T, D]. H, G: this rank's."""
         o = sink_attention(q, keys, valid, self.attn_sink, self.scale)  # [T, H, hd]
         o = apply_rope(o, *self.rope.lookup(positions), inverse=True)
         o = o.reshape(o.shape[0], self.n_groups, -1)  # [T, G, H*hd/G]
         wo_a = linear_weight(self.wo_a, o.dtype).view(self.n_groups, self.o_rank, -1)
         o = torch.einsum("tgd,grd->tgr", o, wo_a)  # [T, G, o_rank]
-        return self.wo_b(o.flatten(1))
+        if not self.tp.parallel:
+            return self.wo_b(o.flatten(1))
+        y = self.wo_b(o.flatten(1)).float()  # [T, D], this rank's groups' part
+        return self.tp.all_reduce(y).to(o.dtype)  # summed in fp32, as the reference does
 
     def cached(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         q, kv, qr = self._project(x, batch.positions)

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..memory.batch import ForwardBatch
 from ..memory.pool import LayerCache
+from ..parallel.group import TPGroup
 from .attention import Attention
 from .config import ModelConfig
 from .mhc import hc_post, hc_pre
@@ -15,11 +16,11 @@ from .ops import RMSNorm
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int, hashed: bool):
+    def __init__(self, cfg: ModelConfig, ratio: int, hashed: bool, tp: TPGroup):
         super().__init__()
         self.cfg = cfg
-        self.attn = Attention(cfg, ratio)
-        self.ffn = MoE(cfg, hashed)
+        self.attn = Attention(cfg, ratio, tp)
+        self.ffn = MoE(cfg, hashed, tp)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         mix = (2 + cfg.hc_mult) * cfg.hc_mult  # pre, post and the hc x hc comb logits

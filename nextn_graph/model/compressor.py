@@ -18,6 +18,7 @@ from torch import nn
 
 from ..memory.batch import ForwardBatch
 from ..memory.pool import CompressedCache
+from ..parallel.group import TPGroup
 from .config import ModelConfig
 from .ops import RMSNorm, RopeTable, apply_rope, pool_softmax
 
@@ -92,11 +93,18 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: scores finished C4 entries per query row, keeps the top-k."""
+    """Lightning indexer: scores finished C4 entries per query row, keeps the top-k.
 
-    def __init__(self, cfg: ModelConfig, ratio: int):
+    Under tensor parallelism a rank scores with its heads (``wq_b``, ``weights_proj``) and
+    the partial scores are all-reduced before the top-k; the compressor is replicated."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, tp: TPGroup):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.tp = tp
+        _, self.n_heads = tp.part(cfg.index_n_heads, "index_n_heads")  # this rank's heads
+        self.head_dim = cfg.index_head_dim
+        # the weights' scale counts every head of the model, not this rank's
+        self.score_scale = self.head_dim ** -0.5 * cfg.index_n_heads ** -0.5
         self.topk = cfg.index_topk
         self.ratio = ratio
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
@@ -105,11 +113,12 @@ class Indexer(nn.Module):
 
     def _scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
                 keys: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-        """keys: [T, E, di] -> scores [T, E] = sum_h relu(q_h . k) * w_h."""
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, di]
+        """keys: [T, E, di] -> scores [T, E] = sum_h relu(q_h . k) * w_h over all heads."""
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, di] (local heads)
         q = apply_rope(q, *rope.lookup(positions))
-        w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [T, Hi]
-        return (torch.einsum("thd,ted->the", q, keys).relu() * w.unsqueeze(-1)).sum(dim=1)
+        w = self.weights_proj(x) * self.score_scale  # [T, Hi]
+        part = (torch.einsum("thd,ted->the", q, keys).relu() * w.unsqueeze(-1)).sum(dim=1)
+        return self.tp.all_reduce(part)  # [T, E]: the sum over every rank's heads
 
     def _select(self, scores: torch.Tensor, positions: torch.Tensor):
         """Mask unfinished entries, keep the top-k: -> (entry ids [T, k], valid [T, k])."""

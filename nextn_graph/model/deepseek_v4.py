@@ -1,15 +1,22 @@
 """The DeepSeek-V4 target: embedding copied into mHC streams, decoder layers with
-per-layer SWA / C4 / C128 attention, ``hc_head``, final norm and LM head."""
+per-layer SWA / C4 / C128 attention, ``hc_head``, final norm and LM head.
+
+Over a tensor-parallel group (``TPGroup``) the embedding and the LM head split the
+vocabulary (all-reduce of the looked-up rows, all-gather of the logits); the layers
+split heads and experts (``parallel/sharding.py`` is the table). A group of one runs
+the single-device code, collectives and all skipped."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..memory.batch import ForwardBatch
 from ..memory.pool import KVPool, PoolLayout
+from ..parallel.group import TPGroup
 from .block import Block
 from .config import ModelConfig
 from .mhc import hc_head
@@ -31,24 +38,51 @@ def add_stream_head(module: nn.Module, cfg: ModelConfig) -> None:
 
 
 def stream_output(module: nn.Module, cfg: ModelConfig, x: torch.Tensor,
-                  head: nn.Linear) -> ForwardOutput:
+                  head: nn.Linear, tp: TPGroup) -> ForwardOutput:
     """hc_head, norm, LM head: x [T, hc, D] -> logits [T, V] and pre_hc_head [T, hc*D]."""
     collapsed = hc_head(x, module.hc_head_fn, module.hc_head_scale, module.hc_head_base,
                         cfg.hc_eps, cfg.rms_norm_eps)
-    logits = head(module.norm(collapsed)).float()
-    return ForwardOutput(logits=logits, hidden=x.flatten(1))
+    logits = head(module.norm(collapsed)).float()  # [T, V/tp]: this rank's vocabulary
+    return ForwardOutput(logits=tp.all_gather(logits), hidden=x.flatten(1))
+
+
+class ParallelEmbedding(nn.Module):
+    """The token embedding, rows [start, start + V/tp) of it on this rank (``weight``).
+
+    Capture-safe: ids outside the rank's rows are clamped into range and their rows
+    zeroed with ``torch.where`` (no boolean indexing, no host sync), then the ranks'
+    rows are summed; each id has exactly one owner, so the sum is exact."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.start, rows = tp.part(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(rows, dim).normal_())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [T] global token ids -> [T, D]."""
+        if not self.tp.parallel:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start  # [T]
+        rows = self.weight.shape[0]
+        mine = (local >= 0) & (local < rows)  # [T]
+        out = F.embedding(local.clamp(0, rows - 1), self.weight)  # [T, D]
+        out = torch.where(mine.unsqueeze(-1), out, 0.0)  # another rank's rows: zero
+        return self.tp.all_reduce(out)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp if tp is not None else TPGroup.single()
         add_stream_head(self, cfg)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = ParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.layers = nn.ModuleList(
-            Block(cfg, cfg.layer_ratio(i), hashed=i < cfg.num_hash_layers)
+            Block(cfg, cfg.layer_ratio(i), hashed=i < cfg.num_hash_layers, tp=self.tp)
             for i in range(cfg.num_hidden_layers))
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        _, vocab = self.tp.part(cfg.vocab_size, "vocab_size")
+        self.head = nn.Linear(cfg.hidden_size, vocab, bias=False)  # [V/tp, D]
 
     def layer_ratios(self) -> list[int]:
         return [layer.attn.ratio for layer in self.layers]
@@ -66,11 +100,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = self._streams(batch.input_ids)
         for layer, cache in zip(self.layers, pool.layers):
             x = layer.cached(x, batch, cache)
-        return stream_output(self, self.cfg, x, self.head)
+        return stream_output(self, self.cfg, x, self.head, self.tp)
 
     def reference(self, input_ids: torch.Tensor) -> ForwardOutput:
         """Full recompute of one whole sequence with no cache: the oracle."""
         x = self._streams(input_ids)
         for layer in self.layers:
             x = layer.dense(x, input_ids)
-        return stream_output(self, self.cfg, x, self.head)
+        return stream_output(self, self.cfg, x, self.head, self.tp)

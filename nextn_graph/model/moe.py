@@ -5,6 +5,11 @@ Routing is dense masked math (every expert runs on every row, weighted by a
 [T, E] matrix that is zero off the chosen experts): no ``bincount().tolist()``,
 no data-dependent shapes, so it captures into a static graph. At tiny widths this
 costs less than the host round trip it avoids.
+
+Under expert parallelism rank r holds routed experts [r*E/tp, (r+1)*E/tp) only (the
+others are ``None`` in ``experts``, so keys keep their global index), sums them over
+every row, and one fp32 all-reduce adds the ranks' sums; the gate and the shared
+expert are replicated, as in DeepSeek-V4's reference.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.group import TPGroup
 from .config import ModelConfig
 
 
@@ -57,17 +63,24 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool):
+    def __init__(self, cfg: ModelConfig, hashed: bool, tp: TPGroup):
         super().__init__()
+        self.tp = tp
         self.gate = Gate(cfg, hashed)
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        start, n = tp.part(cfg.n_routed_experts, "n_routed_experts")
+        self.local = range(start, start + n)  # this rank's experts, by global index
         self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, inter, limit) for _ in range(cfg.n_routed_experts))
+            Expert(cfg.hidden_size, inter, limit) if e in self.local else None
+            for e in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, inter * cfg.n_shared_experts, limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, D]: the routed experts' weighted sum, then the shared expert."""
         route = self.gate(x, input_ids)  # [T, E]
-        out = self.shared_experts(x).float()
-        for e, expert in enumerate(self.experts):
-            out = out + route[:, e:e + 1] * expert(x).float()
-        return out.to(x.dtype)
+        routed = None
+        for e in self.local:
+            y = route[:, e:e + 1] * self.experts[e](x).float()  # [T, D] fp32
+            routed = y if routed is None else routed + y
+        routed = self.tp.all_reduce(routed)  # every rank's experts (fp32)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..memory.batch import ForwardBatch
 from ..memory.pool import KVPool, PoolLayout
+from ..parallel.group import TPGroup
 from .block import Block
 from .config import NEXTN_COMPRESS_RATIO, ModelConfig
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput, add_stream_head, stream_output
@@ -19,8 +20,8 @@ from .ops import RMSNorm
 class NextNLayer(Block):
     """``mtp.0.*``: fusion projections, the decoder layer, and the stream head."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, NEXTN_COMPRESS_RATIO, hashed=False)
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__(cfg, NEXTN_COMPRESS_RATIO, hashed=False, tp=tp)
         add_stream_head(self, cfg)
         self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -37,10 +38,14 @@ class NextNLayer(Block):
 
 
 class DeepseekV4ForCausalLMNextN(nn.Module):
+    """Sharded as the target is, over the target's group, sharing its embedding and
+    head shards."""
+
     def __init__(self, cfg: ModelConfig, target: DeepseekV4ForCausalLM):
         super().__init__()
         self.cfg = cfg
-        self.mtp = nn.ModuleList([NextNLayer(cfg)])
+        self.tp = target.tp
+        self.mtp = nn.ModuleList([NextNLayer(cfg, self.tp)])
         self._shared = (target.embed, target.head)  # not submodules: owned by the target
 
     @property
@@ -62,11 +67,12 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
         embed, head = self._shared
         x = self.layer.fuse(embed(batch.input_ids), hidden)
         x = self.layer.cached(x, batch, pool.layers[0])
-        return stream_output(self.layer, self.cfg, x, head)
+        return stream_output(self.layer, self.cfg, x, head, self.tp)
 
     def reference(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> ForwardOutput:
         """Whole sequence, no cache: row p pairs token input_ids[p] with hidden[p]."""
         self._check_hidden(hidden, input_ids.shape[0])
         embed, head = self._shared
         x = self.layer.fuse(embed(input_ids), hidden)
-        return stream_output(self.layer, self.cfg, self.layer.dense(x, input_ids), head)
+        return stream_output(self.layer, self.cfg, self.layer.dense(x, input_ids), head,
+                             self.tp)

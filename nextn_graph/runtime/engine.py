@@ -29,7 +29,9 @@ import torch
 
 from ..config import (GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, check_pool,
                       check_section, resolve_graph, resolve_speculative)
-from ..errors import InputError, RequestFailed
+from ..errors import InputError, ParallelError, RequestFailed
+from ..parallel.control import Message
+from ..parallel.group import TPGroup
 from ..generate import (GenerateResult, validate_max_new_tokens, validate_prompt,
                         validate_prompts, validate_stop_ids)
 from ..memory.pool import PoolLayout
@@ -60,6 +62,17 @@ class SpecEngine:
         """
         # Configs built in code are checked as strictly as those read from YAML.
         where = "SpecEngine"
+        self.tp: TPGroup = target.tp
+        self._broken: str | None = None  # why a tensor-parallel group can no longer run
+        if self.tp.parallel:
+            if backend is not None or updates is not None:
+                raise InputError("SpecEngine: a prebuilt graph backend or update registry "
+                                 "cannot be mirrored on the other ranks of a tensor-parallel "
+                                 "group; give graph.backend instead")
+            # Every rank builds the same engine, in the same order: rank 0 says which.
+            self.engine_id = self.tp.channel.new_engine_id()
+            if self.tp.is_driver:
+                self.tp.channel.send(Message("build", self.engine_id, (spec, pool, graph)))
         if spec is not None:
             spec = resolve_speculative(check_section(spec, where, "speculative."), where)
         self.cfg, self.spec = target.cfg, spec
@@ -85,8 +98,8 @@ class SpecEngine:
             RoundPhases(self.models, self.state, bufs, self.num_steps), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
-            updates=updates)
-        self.runner.capture(progress=progress)
+            updates=updates, collectives=self.tp.counts)
+        self.runner.capture(progress=progress and self.tp.is_driver)
         # Waiting requests in arrival order; an aborted one stays until admission
         # skips it (finished), so abort() is O(1) however long the queue.
         self._waiting: collections.deque[Request] = collections.deque()
@@ -110,6 +123,9 @@ class SpecEngine:
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
                     stop_ids: Iterable[int] | None = None) -> int:
         """Queue a request; a bad one raises here and touches no other request."""
+        if self._broken:
+            raise ParallelError(f"tensor parallelism: this engine's group failed "
+                                f"({self._broken}); it takes no more requests")
         rid = self._next_rid
         prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens,
                                  f"request {rid}", self.lookahead)
@@ -159,10 +175,13 @@ class SpecEngine:
 
     def step(self) -> list[StepOutput]:
         """Admit, run one round, and return every output made since the last return."""
+        if self._broken and not self._outbox:  # its failures were returned already
+            raise ParallelError(f"tensor parallelism: this engine's group failed "
+                                f"({self._broken}); every request was failed")
         start = time.perf_counter()
         self._admit()
         mid = time.perf_counter()
-        if self._running:
+        if self._running and not self._broken:
             self._round()
         self.stats.prefill_s += mid - start
         self.stats.round_s += time.perf_counter() - mid
@@ -191,8 +210,35 @@ class SpecEngine:
         self.stats.failed_requests += len(reqs)
         for req in reqs:
             req.finished = True
-            self._release(req)
+            if req.row:
+                self._release(req)
+            else:  # still waiting (a group failure fails the queue too)
+                self._live.pop(req.rid, None)
             self._outbox.append(StepOutput(req.rid, [], True, [], error=reason))
+
+    def _fail_group(self, reqs: list[Request], exc: Exception, where: str) -> None:
+        """A fault on a tensor-parallel group: the ranks may have run different work (or a
+        rank is gone), so no request can go on. Every live request fails explicitly with
+        the reason (this step returns them), and later steps raise ``ParallelError``."""
+        others = [r for r in self._live.values() if r not in reqs and not r.finished]
+        self._fail(list(reqs) + others, exc, f"{where} (tensor-parallel rank {self.tp.rank})")
+        self._waiting.clear()
+        self._num_waiting = 0
+        self._broken = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
+
+    # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
+    @torch.no_grad()
+    def follow_admit(self, rows: list[int], prompts: list[list[int]]) -> None:
+        self._prefill_rows(rows, prompts)
+
+    @torch.no_grad()
+    def follow_round(self, slots: list[int], lengths: list[int]) -> None:
+        """Rank 0's round, chunk for chunk, without reading anything back."""
+        start = 0
+        for size, bucket in self.runner.plan(len(slots)):
+            self.runner.run_chunk(slots[start:start + size], lengths[start:start + size],
+                                  bucket, read=False)
+            start += size
 
     # -- phases ----------------------------------------------------------------
     @torch.no_grad()
@@ -211,7 +257,10 @@ class SpecEngine:
         try:
             bonus = self._prefill(new)
         except Exception as exc:
-            self._fail(new, exc, "prefill")
+            if self.tp.parallel:  # the ranks' states may now differ: nothing can go on
+                self._fail_group(new, exc, "prefill")
+            else:
+                self._fail(new, exc, "prefill")
             return
         except BaseException:  # an interrupt: back to the head of the queue, untouched
             for req in reversed(new):
@@ -230,26 +279,43 @@ class SpecEngine:
 
     def _prefill(self, new: list[Request]) -> list[int]:
         """Prefill + draft extend into the rows' copy 0 -> the bonus tokens (host)."""
-        bonus, cand1, seed = phases.prefill(self.models, [r.row for r in new],
-                                            [r.prompt for r in new], self.device,
+        rows, prompts = [r.row for r in new], [r.prompt for r in new]
+        if self.tp.parallel:  # the other ranks prefill the same rows
+            self.tp.channel.send(Message("admit", self.engine_id, (rows, prompts)))
+        return self._prefill_rows(rows, prompts).tolist()
+
+    def _prefill_rows(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Every rank's part of an admission: -> the bonus tokens [B] (on the device)."""
+        bonus, cand1, seed = phases.prefill(self.models, rows, prompts, self.device,
                                             with_draft=self.num_steps > 0)
-        slots = torch.tensor([self.state.slot(r.row, 0) for r in new], device=self.device)
-        lengths = torch.tensor([len(r.prompt) for r in new], device=self.device)
+        slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.state.store(slots, lengths, bonus, cand1, seed)
-        return bonus.tolist()
+        return bonus
 
     @torch.no_grad()
     def _round(self) -> None:
         """Run every chunk, then commit the ones that read back (host only)."""
         active = list(self._running.values())
+        slots = [self.state.slot(r.row, r.copy) for r in active]
+        lengths = [r.committed for r in active]
+        if self.tp.parallel:  # the round's one control message, before its staging copy
+            try:
+                self.tp.channel.send_round(self.engine_id, slots, lengths)
+            except Exception as exc:
+                self._fail_group(active, exc, "decode round")
+                return
         done = []
         start = 0
         for size, bucket in self.runner.plan(len(active)):
-            chunk, start = active[start:start + size], start + size
+            chunk, part = active[start:start + size], slice(start, start + size)
+            start += size
             try:
-                res = self.runner.run_chunk([self.state.slot(r.row, r.copy) for r in chunk],
-                                            [r.committed for r in chunk], bucket)
+                res = self.runner.run_chunk(slots[part], lengths[part], bucket)
             except Exception as exc:
+                if self.tp.parallel:
+                    self._fail_group(active, exc, "decode round")
+                    return
                 self._fail(chunk, exc, "decode round")
                 continue
             done.append((chunk, res))

@@ -1,0 +1,100 @@
+"""Rank 0 -> every other rank: the scheduler's decisions, as host messages.
+
+Rank 0 owns the scheduler; the other ranks (followers) execute what it decided, so
+every rank runs the same forwards, graphs and collectives in the same order. A
+steady round costs ONE small broadcast, before its staging copy: a fixed-size int64
+message ``[ROUND, engine, n, 0, slots(n), lengths(n)]`` (rows beyond ``INLINE_ROWS``
+follow in a second one). Rare commands (build an engine, admit prompts, run a
+mirrored call, shut down) carry a pickled payload in a second broadcast.
+
+Messages go over the group's host process group (gloo), never the device one: the
+followers block on it between rounds without holding a device stream. Every
+receive is bounded by the group's timeout, so a dead rank 0 ends the followers.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .group import TPGroup
+
+INLINE_ROWS = 256  # a round of up to this many requests is one broadcast
+_HEAD = 4
+
+
+class Cmd(IntEnum):
+    ROUND = 1  # engine, slots, committed lengths: run one decode round
+    OBJECT = 2  # a pickled Message follows (build, admit, call, shutdown)
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # "round" | "build" | "admit" | "call" | "shutdown"
+    engine: int = -1
+    payload: Any = None  # round: (slots, lengths); others: the command's arguments
+
+
+class Channel:
+    """The host-message channel of one group; ``send`` on rank 0, ``recv`` elsewhere."""
+
+    def __init__(self, group: "TPGroup"):
+        self.group = group
+        self._buf = torch.zeros(_HEAD + 2 * INLINE_ROWS, dtype=torch.int64)  # [head + 2*rows]
+        self._engines = 0
+
+    def new_engine_id(self) -> int:
+        """Engines are numbered in build order, the same on every rank."""
+        self._engines += 1
+        return self._engines
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        self.group.counts.control += 1
+        dist.broadcast(t, src=0, group=self.group.control)
+
+    # -- rank 0 ----------------------------------------------------------------------
+    def send_round(self, engine: int, slots: list[int], lengths: list[int]) -> None:
+        n = len(slots)
+        buf = self._buf
+        buf[:_HEAD] = torch.tensor([Cmd.ROUND, engine, n, 0])
+        k = min(n, INLINE_ROWS)
+        buf[_HEAD:_HEAD + k] = torch.tensor(slots[:k], dtype=torch.int64)
+        buf[_HEAD + INLINE_ROWS:_HEAD + INLINE_ROWS + k] = torch.tensor(lengths[:k],
+                                                                      dtype=torch.int64)
+        self._bcast(buf)
+        if n > k:
+            self._bcast(torch.tensor(slots[k:] + lengths[k:], dtype=torch.int64))
+
+    def send(self, msg: Message) -> None:
+        data = pickle.dumps(msg)
+        self._buf[:_HEAD] = torch.tensor([Cmd.OBJECT, msg.engine, len(data), 0])
+        self._bcast(self._buf)
+        self._bcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    # -- followers -------------------------------------------------------------------
+    def recv(self) -> Message:
+        buf = self._buf
+        self._bcast(buf)
+        cmd, engine, n, _ = buf[:_HEAD].tolist()
+        if cmd == Cmd.ROUND:
+            k = min(n, INLINE_ROWS)
+            slots = buf[_HEAD:_HEAD + k].tolist()
+            lengths = buf[_HEAD + INLINE_ROWS:_HEAD + INLINE_ROWS + k].tolist()
+            if n > k:
+                rest = torch.zeros(2 * (n - k), dtype=torch.int64)
+                self._bcast(rest)
+                slots += rest[:n - k].tolist()
+                lengths += rest[n - k:].tolist()
+            return Message("round", engine, (slots, lengths))
+        if cmd != Cmd.OBJECT:
+            raise RuntimeError(f"tensor parallelism: unknown control command {cmd} from "
+                               f"rank 0 (ranks running different versions?)")
+        data = torch.zeros(n, dtype=torch.uint8)
+        self._bcast(data)
+        return pickle.loads(data.numpy().tobytes())

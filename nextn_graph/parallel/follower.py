@@ -1,0 +1,78 @@
+"""The loop of every tensor-parallel rank but 0: do what rank 0 decided, until told to stop.
+
+Rank 0 runs the user's program (a server, ``generate``, the bench) and its engines
+send each decision over the group's ``Channel``: build an engine (every rank then
+builds and captures the same one), admit prompts into rows, run a round over
+slots, run a mirrored call (reference decoding), shut down. A follower never
+reads tokens back and never decides: its state follows rank 0's exactly because
+every forward is the same and every collective result is the same on every rank.
+
+A receive that fails (rank 0 died or hung past the timeout) ends the loop with a
+``ParallelError``, so no follower outlives its driver.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..errors import ParallelError
+from ..generate import plain_generate, reference_generate
+from ..loader import LoadedModel
+from .control import Message
+from .group import TPGroup
+
+log = logging.getLogger(__name__)
+
+# Calls rank 0 may mirror: each is deterministic given its arguments and the models,
+# so every rank takes the same host decisions from the same (all-gathered) logits.
+MIRRORED: dict[str, Callable] = {
+    "reference_generate": lambda models, *a, **k: reference_generate(models.target, *a, **k),
+    "plain_generate": lambda models, *a, **k: plain_generate(models.target, *a, **k),
+}
+
+
+def mirror(group: TPGroup, models: LoadedModel, name: str, *args, **kwargs):
+    """Run ``MIRRORED[name]`` on every rank: rank 0 tells the others, then runs it too."""
+    if group.parallel:
+        group.channel.send(Message("call", payload=(name, args, kwargs)))
+    return MIRRORED[name](models, *args, **kwargs)
+
+
+def shutdown(group: TPGroup) -> None:
+    """Rank 0: end the followers' loops (at the end of the program)."""
+    if group.parallel and group.is_driver:
+        group.channel.send(Message("shutdown"))
+
+
+def serve(models: LoadedModel, group: TPGroup) -> int:
+    """Follow rank 0 until it shuts down -> the number of messages handled."""
+    from ..runtime.engine import SpecEngine  # the engine imports this package
+
+    engines: dict[int, SpecEngine] = {}
+    handled = 0
+    while True:
+        try:
+            msg = group.channel.recv()
+        except Exception as exc:
+            raise ParallelError(f"tensor parallelism: rank {group.rank} lost rank 0 "
+                                f"({type(exc).__name__}: {str(exc)[:300]})") from exc
+        handled += 1
+        if msg.kind == "shutdown":
+            return handled
+        if msg.kind == "build":
+            spec, pool, graph = msg.payload
+            engine = SpecEngine(models.target, models.draft, spec, pool, graph)
+            if engine.engine_id != msg.engine:
+                raise ParallelError(f"tensor parallelism: rank {group.rank} built engine "
+                                    f"{engine.engine_id}, rank 0 engine {msg.engine}")
+            engines[msg.engine] = engine
+        elif msg.kind == "admit":
+            engines[msg.engine].follow_admit(*msg.payload)
+        elif msg.kind == "round":
+            engines[msg.engine].follow_round(*msg.payload)
+        elif msg.kind == "call":
+            name, args, kwargs = msg.payload
+            MIRRORED[name](models, *args, **kwargs)
+        else:
+            raise ParallelError(f"tensor parallelism: unknown message {msg.kind!r}")

@@ -39,17 +39,22 @@ TP4 = {**TINY, "num_attention_heads": 8, "o_groups": 4, "index_n_heads": 4,
        "n_routed_experts": 8}
 
 
-def schedules(seed: int) -> list[list[Req]]:
-    """The grow-and-shrink schedule (joins, a split above bucket 4, a stop, a
-    1-token request) and a random one: arrivals, lengths, limits."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = []
-    for i in range(5):
+def _random_schedule(gen: torch.Generator, seed: int) -> list[Req]:
+    """Up to 6 requests: random arrivals, lengths, corpus or uniform tokens, limits."""
+    out = []
+    for i in range(int(torch.randint(1, 7, (1,), generator=gen))):
         at, n, max_new = (int(v) for v in torch.randint(0, 30, (3,), generator=gen))
         prompt = (corpus_prompts(seed + i, [n % 25 + 3])[0] if i % 2
                   else random_prompt(n % 25 + 1, seed + i))
-        rand.append(Req(at % 5, prompt, max_new % 20 + 1))
-    return [grow_and_shrink(seed), rand]
+        out.append(Req(at % 5, prompt, max_new % 20 + 1))
+    return out
+
+
+def schedules(seed: int) -> list[list[Req]]:
+    """The grow-and-shrink schedule (joins, a split above bucket 4, a stop, a 1-token
+    request), then random ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return [grow_and_shrink(seed)] + [_random_schedule(gen, seed + 10 * k) for k in range(4)]
 
 
 MODES = {"plain": (None, EAGER), "spec_eager": (SpeculativeConfig(num_steps=3), EAGER),
@@ -62,7 +67,8 @@ def _models(group: TPGroup, preset: dict | None):
     return random_models(config_from_dict(dict(preset), "test"), 0, tp=group)
 
 
-def run_modes(group: TPGroup, preset: dict | None, modes: list[str], seed: int):
+def run_modes(group: TPGroup, preset: dict | None, modes: list[str], seed: int,
+              count: int = 5):
     """Every mode over every schedule -> {mode: [outputs per schedule]} (rank 0), plus
     the reference decoding of the first schedule (mirrored on every rank)."""
     torch.set_num_threads(1)
@@ -74,7 +80,7 @@ def run_modes(group: TPGroup, preset: dict | None, modes: list[str], seed: int):
         for mode in modes:
             spec, graph = MODES[mode]
             eng = SpecEngine(models.target, models.draft, spec, POOL, graph)
-            out[mode] = [run_schedule(eng, s).outputs for s in schedules(seed)]
+            out[mode] = [run_schedule(eng, s).outputs for s in schedules(seed)[:count]]
             out[f"{mode}_collectives"] = eng.tp.counts.as_dict()
             out[f"{mode}_graph_collectives"] = eng.runner.counters.graph_collectives
         first = schedules(seed)[0]
@@ -87,7 +93,7 @@ def run_modes(group: TPGroup, preset: dict | None, modes: list[str], seed: int):
 
 def test_tp2_tokens_equal_tp1_plain_spec_eager_and_graphs():
     """tp = 2 on the trained checkpoint: plain, speculative eager and speculative on the
-    cpu graphs give exactly tp = 1's tokens over both schedules; collectives ran
+    cpu graphs give exactly tp = 1's tokens over five schedules; collectives ran
     (eagerly and inside the replayed graphs) and one control message per round."""
     modes = list(MODES)
     got = spawn(run_modes, 2, (None, modes, 5), timeout_s=120)[0]
@@ -105,11 +111,15 @@ def test_tp2_tokens_equal_tp1_plain_spec_eager_and_graphs():
         assert want["spec_graphs"][0][i] == want["reference"][i][:r.max_new], i
 
 
+@pytest.mark.slow
 def test_tp4_tokens_equal_tp1():
-    """tp = 4 on a tiny variant whose heads, groups, indexer heads and experts divide by 4."""
-    modes = ["spec_eager", "spec_graphs"]
-    got = spawn(run_modes, 4, (TP4, modes, 9), timeout_s=180)[0]
-    want = run_modes(TPGroup.single(), TP4, modes, 9)
+    """tp = 4 on a tiny variant whose heads, groups, indexer heads and experts divide by 4:
+    every mode over the grow-and-shrink schedule. Slow (about 85 s on 2 cores): 4 ranks
+    share the cores and every collective waits for all four to be scheduled. CI runs it
+    (.ci/run), beside the default run."""
+    modes = list(MODES)
+    got = spawn(run_modes, 4, (TP4, modes, 9, 1), timeout_s=180)[0]
+    want = run_modes(TPGroup.single(), TP4, modes, 9, 1)
     for mode in modes:
         assert got[mode] == want[mode], mode
 
@@ -133,7 +143,7 @@ def kill_one(group: TPGroup, victim: int, hang: bool, out_dir: str):
         def stalling():
             seen.append(1)
             if len(seen) > 4:
-                time.sleep(3 * TIMEOUT_S)
+                time.sleep(2 * TIMEOUT_S + 1)
                 os._exit(0)
             return recv()
         group.channel.recv = stalling

@@ -96,3 +96,29 @@ def disagree(group: TPGroup) -> str:
 def test_ranks_that_loaded_different_things_are_refused():
     got = spawn(disagree, 2, timeout_s=30)
     assert all("rank(s) [1] loaded a different config or checkpoint" in g for g in got), got
+
+
+def test_bench_reports_collectives_and_weights_per_rank(tmp_path):
+    """`bench --tp 2`: per bucket, the collectives per steady round (eager and inside the
+    graphs) and rank 0's one control message; per rank, the resident weight bytes: each
+    rank's split bytes are half of one rank's, the replicated bytes the same."""
+    from nextn_graph.checkpoint import load_checkpoint
+    from nextn_graph.parallel.sharding import sharded_bytes
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"pool": {"max_requests": 2, "max_context": 128},
+                               "graph": {"buckets": [2]}, "parallel": {"tp": 2}}))
+    proc = _run(["bench", "--config", str(cfg), "--rounds", "2", "--repeats", "1",
+                 "--warmup-rounds", "0", "--quiet", "--out", str(tmp_path / "out")])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    one = sharded_bytes(load_checkpoint("builtin:tiny-trained"))
+    ranks = report["parallel"]["weights_per_rank"]
+    assert report["parallel"]["tp"] == 2 and len(ranks) == 2
+    for r in ranks:
+        assert 2 * r["split"] == one["split"] and r["replicated"] == one["replicated"]
+    (bucket,) = report["buckets"]
+    assert bucket["eager"]["collectives_per_round"] > 0
+    assert bucket["graph"]["collectives_per_round"] == bucket["eager"]["collectives_per_round"]
+    assert bucket["graph"]["control_messages_per_round"] == 1
+    assert "eager coll" in proc.stdout and "tp 2 ranks" in proc.stdout

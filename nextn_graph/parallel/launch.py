@@ -58,6 +58,9 @@ def init_group(rank: int, size: int, device: str, timeout_s: float = DEFAULT_TIM
                             init_method=init_method or "env://")
     group = dist.group.WORLD
     control = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    if device != "cpu":  # NCCL/HCCL set up their communicator lazily, on the first
+        # collective: that must not happen inside a graph capture
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     return TPGroup(rank, size, group, control, timeout_s)
 
 

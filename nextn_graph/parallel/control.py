@@ -47,6 +47,7 @@ class Channel:
     def __init__(self, group: "TPGroup"):
         self.group = group
         self._buf = torch.zeros(_HEAD + 2 * INLINE_ROWS, dtype=torch.int64)  # [head + 2*rows]
+        self._host = self._buf.numpy()  # written in place: no tensor per round
         self._engines = 0
 
     def new_engine_id(self) -> int:
@@ -61,19 +62,18 @@ class Channel:
     # -- rank 0 ----------------------------------------------------------------------
     def send_round(self, engine: int, slots: list[int], lengths: list[int]) -> None:
         n = len(slots)
-        buf = self._buf
-        buf[:_HEAD] = torch.tensor([Cmd.ROUND, engine, n, 0])
         k = min(n, INLINE_ROWS)
-        buf[_HEAD:_HEAD + k] = torch.tensor(slots[:k], dtype=torch.int64)
-        buf[_HEAD + INLINE_ROWS:_HEAD + INLINE_ROWS + k] = torch.tensor(lengths[:k],
-                                                                      dtype=torch.int64)
-        self._bcast(buf)
+        host = self._host
+        host[:_HEAD] = (Cmd.ROUND, engine, n, 0)
+        host[_HEAD:_HEAD + k] = slots[:k]
+        host[_HEAD + INLINE_ROWS:_HEAD + INLINE_ROWS + k] = lengths[:k]
+        self._bcast(self._buf)
         if n > k:
             self._bcast(torch.tensor(slots[k:] + lengths[k:], dtype=torch.int64))
 
     def send(self, msg: Message) -> None:
         data = pickle.dumps(msg)
-        self._buf[:_HEAD] = torch.tensor([Cmd.OBJECT, msg.engine, len(data), 0])
+        self._host[:_HEAD] = (Cmd.OBJECT, msg.engine, len(data), 0)
         self._bcast(self._buf)
         self._bcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 

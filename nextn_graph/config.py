@@ -49,7 +49,12 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # expanded to `dtype` at load (small models, debugging). Plain checkpoints: no effect.
 WEIGHTS_MODES = ("quantized", "dequantized")
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
-GRAPH_KINDS = ("draft_extend", "rollout", "target_verify")
+GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in round order
+# graph.round: the round as those phases' graphs (split, as SGLang), or as ONE graph
+# (fused: the phases, acceptance and the commit of the next state; a steady batch also
+# needs no staging). auto: fused where every phase is captured, else split.
+ROUND_MODES = ("auto", "split", "fused")
+FUSED_KIND = "round"  # the kind (graph name) of the fused round
 # What torch.compile hands each graph to, for graph backends compile and torchair (others
 # ignore it). compile: inductor | aot_eager anywhere, reduce-overhead (inductor in CUDA graphs)
 # on CUDA; torchair (compile on Ascend): npugraph_ex | reduce-overhead.
@@ -64,6 +69,7 @@ class GraphConfig:
     backend: str = "cpu"  # eager | cpu (emulator) | cuda | npu | compile | torchair
     buckets: tuple[int, ...] = ()  # request counts captured; sorted, unique; () = auto
     kinds: tuple[str, ...] = GRAPH_KINDS  # which phases become graphs; others run eagerly
+    round: str = "auto"  # split | fused | auto (fused where kinds holds every phase)
     warmup: int = 1  # eager runs of each phase before its capture
     debug_check_addresses: bool = False  # assert static inputs never moved, every replay
     compile_backend: str = "auto"  # see COMPILE_BACKENDS; auto: inductor, Ascend: torchair's
@@ -110,7 +116,7 @@ class RunConfig:
 _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
             "weights": WEIGHTS_MODES,
             "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS,
-            "compile_peer": ("none",) + COMPILE_BACKENDS}
+            "compile_peer": ("none",) + COMPILE_BACKENDS, "round": ROUND_MODES}
 
 
 _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
@@ -327,6 +333,14 @@ def resolve_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> GraphConf
         auto = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < pool.max_requests]
         graph = dataclasses.replace(graph, buckets=tuple(auto + [pool.max_requests]))
     _check_graph(graph, pool, where)
+    every = set(graph.kinds) == set(GRAPH_KINDS)
+    if graph.round == "fused" and not every:
+        raise ConfigError(f"{where}: key 'graph.round' fused captures the whole round as one "
+                          f"graph, so 'graph.kinds' must list every phase {GRAPH_KINDS}, got "
+                          f"{show_value(list(graph.kinds))} (or set graph.round: split)")
+    if graph.round == "auto":  # eager keeps its phases apart: the bench times each
+        fused = every and graph.backend != "eager"
+        graph = dataclasses.replace(graph, round="fused" if fused else "split")
     return graph
 
 

@@ -1,13 +1,17 @@
 """Capture per bucket, and the replay manager that drives a decode round.
 
-What to capture is the three phases of ``RoundPhases`` (draft_extend, rollout,
-target_verify) for every bucket B of the config; how is the backend's business.
+What to capture is the ``kinds`` of the round (``runtime.round.RoundPhases``: its
+three phases rollout, target_verify, draft_extend, or the one fused ``round``) for
+every bucket B of the config; how is the backend's business.
 One capture loop serves all kinds: largest bucket first, warm-up, one shared
 pool, time and memory recorded per graph.
 
 A round picks the smallest bucket that fits, stages the requests' state slots
-(padding is slot 0, which every phase masks inside the graph), replays the three
-graphs and reads back accept_lens, predictions and drafts in one host sync. Both
+(padding is slot 0, which every phase masks inside the graph), replays the graphs
+(three split, one fused) and reads back accept_lens, predictions and drafts in one
+host sync. A fused round flips the staged slots itself, so a chunk of the same
+requests as the last one is not staged again: a steady fused round is one replay
+and one readback. Both
 transfers go through host buffers allocated once (``HostTransfers``), pinned on
 a device, so the non_blocking copies stay asynchronous (torch_npu turns a
 non_blocking copy from pageable memory into a stream synchronize). A
@@ -20,15 +24,15 @@ chunk's readback succeeded.
 from __future__ import annotations
 
 import functools
+import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
 from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
-from ..runtime.buffers import RoundBuffers, RoundPhases
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
 from .emulator import CaptureError
 from .updates import UpdateContext, UpdateRegistry
@@ -38,6 +42,23 @@ from .updates import UpdateContext, UpdateRegistry
 COUNTED_AS = ("graph replays + staging copies (host->device slots, 1 per chunk) + readback "
               "copies (device->host, 1 per chunk) + graph updates (1 per recorded "
               "updatable op) + ops of phases run eagerly")
+
+
+class Phases(Protocol):
+    """What a round offers the runner (``runtime.round.RoundPhases``): kinds to capture
+    and run per bucket, the static tensors they use, and its buffers and state."""
+
+    bufs: "object"  # .slots [Bmax] staged request slots, .readout [Bmax, 1 + N + S]
+    state: "object"  # .rows: pool rows R (slots are row + copy * R)
+    num_steps: int
+    fused: bool  # one kind; it flips the staged slots to the copies it wrote
+
+    @property
+    def kinds(self) -> tuple[str, ...]: ...
+
+    def run(self, kind: str, b: int) -> None: ...
+
+    def static_tensors(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass
@@ -92,7 +113,7 @@ class HostTransfers:
     memory is a hidden host sync on torch_npu); plain tensors on CPU, where copies are
     synchronous. The readback's stream sync is the round's only host sync."""
 
-    def __init__(self, bufs: RoundBuffers):
+    def __init__(self, bufs):
         device = bufs.slots.device
         pinned = device.type in ("cuda", "npu")
         bmax = bufs.slots.shape[0]
@@ -130,7 +151,7 @@ class HostTransfers:
 
 @dataclass
 class RoundRunner:
-    phases: RoundPhases
+    phases: Phases
     backend: GraphBackend
     buckets: tuple[int, ...]  # sorted; empty for eager
     kinds: tuple[str, ...]  # which kinds to capture
@@ -147,6 +168,11 @@ class RoundRunner:
     tracer: Callable[[str, bool], ContextManager] | None = None
     _addresses: dict[str, int] = field(default_factory=dict)
     _collectives: dict[tuple[str, int], int] = field(default_factory=dict)  # per graph
+    # host seconds spent inside graph replay calls (the rest of a round is host work:
+    # staging, readback, updates, eager phases, the engine's bookkeeping)
+    replay_s: float = 0.0
+    # (bucket, slots) the device's staged slots hold after the last chunk, when known
+    _resident: tuple | None = None
     _host: HostTransfers = field(init=False)
 
     def __post_init__(self) -> None:
@@ -165,7 +191,7 @@ class RoundRunner:
             return []
         pool = self.backend.new_pool()
         todo = [(b, k) for b in sorted(self.buckets, reverse=True)
-                for k in self._round_kinds() if k in self.kinds]
+                for k in self._round_kinds() if self.phases.fused or k in self.kinds]
         for i, (bucket, kind) in enumerate(todo, start=1):
             fn = functools.partial(self.phases.run, kind, bucket)
             self._stage([], bucket)  # capture over padding rows only: writes land in row 0
@@ -182,6 +208,7 @@ class RoundRunner:
             if progress:
                 progress_bar(i, len(todo), f"captured {kind} B={bucket} in {record.seconds:.2f}s")
         self._addresses = self._snapshot()
+        self._resident = None  # capture staged padding
         return self.records
 
     def _issued(self) -> int:
@@ -217,14 +244,19 @@ class RoundRunner:
         b = len(slots)
         c = self.counters
         c.rounds, c.real_rows, c.padded_rows = c.rounds + 1, c.real_rows + b, c.padded_rows + bucket - b
-        self._stage(slots, bucket)
-        c.staging_copies += 1
+        if (bucket, tuple(slots)) != self._resident:  # a fused round left them in place
+            self._stage(slots, bucket)
+            c.staging_copies += 1
+        self._resident = None  # unknown until every phase of this chunk ran
         if self.debug_check_addresses and self.graphs:
             self._check_addresses()
         for kind in self._round_kinds():
             graph = self.graphs.get((kind, bucket))
             with self.tracer(kind, graph is not None) if self.tracer else nullcontext():
                 self._run_phase(kind, bucket, graph, slots, lengths)
+        if self.phases.fused:  # the round flipped the staged slots to its new copies
+            rows = self.phases.state.rows
+            self._resident = (bucket, tuple((s + rows) % (2 * rows) for s in slots))
         return self._readback(b) if read else None
 
     def _run_phase(self, kind: str, bucket: int, graph: Graph | None, slots: list[int],
@@ -242,7 +274,9 @@ class RoundRunner:
             update = self.updates.derive(graph.update_ops, ctx)
             c.graph_updates += len(update)  # the NPU graph updates one task per op
         issued = self._issued()
+        start = time.perf_counter()
         graph.replay(update)
+        self.replay_s += time.perf_counter() - start
         c.graph_replays += 1
         if self._issued() == issued:  # a compiled graph counts its own (Dynamo replays the
             c.graph_collectives += self._collectives.get((kind, bucket), 0)  # increments)

@@ -40,7 +40,8 @@ from ..graph.backends import GraphBackend, make_backend
 from ..graph.runner import RoundRunner
 from ..graph.updates import UpdateRegistry
 from . import phases
-from .buffers import RequestState, RoundBuffers, RoundPhases
+from .buffers import RequestState, RoundBuffers
+from .round import RoundPhases
 from .request import Request, StepOutput
 from .stats import SpecStats
 
@@ -95,7 +96,8 @@ class SpecEngine:
         backend = backend or make_backend(graph.backend, updates,
                                           compile_backend=graph.compile_backend)
         self.runner = RoundRunner(
-            RoundPhases(self.models, self.state, bufs, self.num_steps), backend,
+            RoundPhases(self.models, self.state, bufs, self.num_steps,
+                        fused=graph.round == "fused"), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates, collectives=self.tp.counts)

@@ -55,6 +55,7 @@ GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in rou
 # needs no staging). auto: fused where every phase is captured, else split.
 ROUND_MODES = ("auto", "split", "fused")
 FUSED_KIND = "round"  # the kind (graph name) of the fused round
+OVERLAP_MODES = ("auto", "on", "off")
 # What torch.compile hands each graph to, for graph backends compile and torchair (others
 # ignore it). compile: inductor | aot_eager anywhere, reduce-overhead (inductor in CUDA graphs)
 # on CUDA; torchair (compile on Ascend): npugraph_ex | reduce-overhead.
@@ -69,10 +70,13 @@ class GraphConfig:
     backend: str = "cpu"  # eager | cpu (emulator) | cuda | npu | compile | torchair
     buckets: tuple[int, ...] = ()  # request counts captured; sorted, unique; () = auto
     kinds: tuple[str, ...] = GRAPH_KINDS  # which phases become graphs; others run eagerly
-    round: str = "auto"  # split | fused | auto (fused where kinds holds every phase)
     warmup: int = 1  # eager runs of each phase before its capture
     debug_check_addresses: bool = False  # assert static inputs never moved, every replay
     compile_backend: str = "auto"  # see COMPILE_BACKENDS; auto: inductor, Ascend: torchair's
+    round: str = "auto"  # split | fused | auto (fused where kinds holds every phase)
+    # Launch round k+1 before reading round k's tokens back (fused rounds only; stop and
+    # length cuts land one round late). auto: on where it can work, off on Ascend.
+    overlap: str = "auto"  # auto | on | off
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,8 @@ class RunConfig:
 _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
             "weights": WEIGHTS_MODES,
             "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS,
-            "compile_peer": ("none",) + COMPILE_BACKENDS, "round": ROUND_MODES}
+            "compile_peer": ("none",) + COMPILE_BACKENDS, "round": ROUND_MODES,
+            "overlap": OVERLAP_MODES}
 
 
 _NAMES = {int: "an integer", str: "a string", bool: "true or false"}
@@ -323,7 +328,10 @@ def compile_peer(cfg: RunConfig, where: str = "config") -> GraphConfig | None:
                           f"already {cfg.graph.backend!r}, so there is nothing to compare "
                           f"(set bench.compile_peer to none, or graph.backend to a "
                           f"hand-captured backend)")
-    graph = dataclasses.replace(cfg.graph, backend="compile", compile_backend=peer)
+    # split rounds: the peer is compiled phase by phase (its launches are counted per
+    # phase), and its overlap would only blur the latency compared
+    graph = dataclasses.replace(cfg.graph, backend="compile", compile_backend=peer,
+                                round="split", overlap="off")
     return resolve_compile(graph, cfg.device, where, key="bench.compile_peer")
 
 
@@ -341,6 +349,23 @@ def resolve_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> GraphConf
     if graph.round == "auto":  # eager keeps its phases apart: the bench times each
         fused = every and graph.backend != "eager"
         graph = dataclasses.replace(graph, round="fused" if fused else "split")
+    return _resolve_overlap(graph, where)
+
+
+def _resolve_overlap(graph: GraphConfig, where: str) -> GraphConfig:
+    """Overlap launches round k+1 from the device-side state of round k, before the host
+    has read k's accepted lengths: it needs the fused round (which moves the state
+    itself) and graphs that take no host lengths (NPU graph updates do)."""
+    why = None
+    if graph.round != "fused":
+        why = "it needs graph.round fused (the round that moves its state on the device)"
+    elif graph.backend == "npu":
+        why = ("NPU graphs take host sequence lengths through update(), and the lengths "
+               "after round k's acceptance are not known on the host when k+1 launches")
+    if graph.overlap == "on" and why:
+        raise ConfigError(f"{where}: key 'graph.overlap' on cannot work here: {why}")
+    if graph.overlap == "auto":
+        graph = dataclasses.replace(graph, overlap="off" if why else "on")
     return graph
 
 

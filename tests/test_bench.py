@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity
 
 from nextn_graph.bench import BenchSettings, run_bench
 from nextn_graph.bench.measure import bench_prompts, measure
-from nextn_graph.bench.report import table
+from nextn_graph.bench.report import MODES_HEADER, PLOTS, table
 from nextn_graph.bench.run import padding_waste
 from nextn_graph.cli import main
 from nextn_graph.config import PoolConfig, SpeculativeConfig, load_run_config
@@ -38,8 +38,9 @@ def report(request, tmp_path_factory):
 
 def test_counts_add_up(report):
     """Per bucket: NextN forwards = num_steps, verify width = num_steps + 1, graph
-    submissions = replays + the staging copy + 3 readback copies + updates + eager-fallback
-    ops, replays per round = the phases of a round (3, or 2 without a rollout), and the
+    submissions = replays + staging copies + readback copies + updates + eager-fallback
+    ops; the config's graph round is fused (round: auto, every phase captured): one replay
+    and one readback, no staging (the round flipped the staged slots itself); and the
     eager submissions are exactly the sum of their phases and what ran outside them."""
     rep, steps, _ = report
     assert [b["bucket"] for b in rep["buckets"]] == [1, 2]
@@ -51,11 +52,11 @@ def test_counts_add_up(report):
         assert g["submissions_per_round"] == sum(parts.values())
         assert set(parts) == {"replays", "staging_copies", "readback_copies", "updates",
                               "eager_fallback_ops"}
-        assert g["replays_per_round"] == (3 if steps > 1 else 2) == parts["replays"]
-        assert parts["staging_copies"] == 1 and parts["readback_copies"] == 1
+        assert g["replays_per_round"] == 1 == parts["replays"]
+        assert parts["staging_copies"] == 0 and parts["readback_copies"] == 1
         assert parts["updates"] == 0 and parts["eager_fallback_ops"] == 0
         assert g["counted_as"] == COUNTED_AS and "readback copies" in g["counted_as"]
-        assert g["submissions_per_round"] == g["replays_per_round"] + 2
+        assert g["submissions_per_round"] == 2
         e = b["eager"]
         phases = e["submissions"]
         kinds = ({"rollout", "target_verify", "draft_extend"} if steps > 1
@@ -72,16 +73,123 @@ def test_counts_add_up(report):
         assert sp["speedup"] > 0 and b["latency_ratio"] > 0
 
 
+def test_round_modes_count_their_submissions(report):
+    """Per bucket, the speculative round per graph mode (the config's round is fused):
+    fused (the graph engine) is 1 replay + 1 readback, no staging; split is a replay per
+    phase (3, or 2 without a rollout) + 1 staging + 1 readback; fused with overlap on is
+    1 replay + 1 readback. The latency ratios are the modes' medians over each other."""
+    rep, steps, _ = report
+    assert rep["settings"]["round"] == "fused"
+    named = ("replays", "staging_copies", "readback_copies", "updates")
+    for b in rep["buckets"]:
+        m = b["round_modes"]
+        assert set(m) == {"split", "fused", "overlap"}
+        assert m["fused"] == b["graph"]
+        want = {"split": (3 if steps > 1 else 2, 1, 1, 0), "fused": (1, 0, 1, 0),
+                "overlap": (1, 0, 1, 0)}
+        for mode, counts in want.items():
+            g = m[mode]
+            assert tuple(g["submissions"][k] for k in named) == counts, mode
+            assert g["replays_per_round"] == counts[0]
+            assert g["submissions_per_round"] == sum(counts)
+        assert b["fused_vs_split_latency"] == pytest.approx(
+            m["fused"]["round_ms_median"] / m["split"]["round_ms_median"])
+        assert b["overlap_vs_fused_latency"] == pytest.approx(
+            m["overlap"]["round_ms_median"] / m["fused"]["round_ms_median"])
+
+
+def test_host_time_outside_replays(report):
+    """For every graph mode: the host's part of a steady round (wall time minus the time
+    inside replay calls) is positive and below the round (each round's replay is inside
+    it, so the medians keep that order)."""
+    rep, _, _ = report
+    for b in rep["buckets"]:
+        summaries = [*b["round_modes"].values(), b["plain"]["graph"]]
+        for g in summaries:
+            assert 0 < g["host_ms_median"] < g["round_ms_median"]
+        assert "host_ms_median" not in b["eager"]  # eager has no replays
+
+
+def test_phase_times_add_up(report):
+    """Eager and split-graph phase times (DIGEST 7: draft vs verify time): one entry per
+    phase of the round, each positive; phases plus what ran outside them is the round
+    (means over the same rounds), so the phases sum to at most the round; draft is rollout
+    + draft extend. On CPU there is no device to sync. Fused has one phase: not timed."""
+    rep, steps, _ = report
+    kinds = (["rollout"] if steps > 1 else []) + ["target_verify", "draft_extend"]
+    assert rep["settings"]["phase_rounds"] == 1  # timed_rounds 3 // 3
+    for b in rep["buckets"]:
+        for t in (b["eager"]["phase_times"], b["round_modes"]["split"]["phase_times"]):
+            ms = t["phase_ms"]
+            assert list(ms) == kinds and all(v > 0 for v in ms.values())
+            assert sum(ms.values()) <= t["round_ms_mean"]
+            assert t["outside_phases_ms"] == pytest.approx(t["round_ms_mean"] - sum(ms.values()))
+            assert t["draft_ms"] == pytest.approx(ms["draft_extend"] + ms.get("rollout", 0))
+            assert t["verify_ms"] == ms["target_verify"]
+            assert t["draft_vs_verify"] == pytest.approx(t["draft_ms"] / t["verify_ms"])
+            assert t["rounds"] == 1 and t["synchronized"] is False
+        assert b["graph"]["phase_times"] is None and b["plain"]["eager"]["phase_times"] is None
+
+
+def test_tpot_and_end_to_end(report):
+    """TPOT per mode (round over tokens per request-round: a plain round gives each
+    request 1 token), the break-even acceptance length, and the end-to-end run: B
+    requests of 32 tokens each, spec vs plain on the graph engines, latencies and ratios."""
+    rep, _, _ = report
+    for b in rep["buckets"]:
+        plain, sp = b["plain"]["graph"], b["spec_vs_plain"]
+        assert plain["tpot_ms"] == pytest.approx(plain["round_ms_median"])
+        assert 0 < b["graph"]["tpot_ms"] <= b["graph"]["round_ms_median"]  # >= 1 token each
+        assert sp["tpot_ms"] == {"spec": b["graph"]["tpot_ms"], "plain": plain["tpot_ms"]}
+        assert sp["break_even_acceptance_length"] == pytest.approx(
+            b["graph"]["round_ms_median"] / plain["round_ms_median"])
+        e = b["e2e"]
+        assert e["requests"] == b["bucket"] and e["max_new_tokens"] == 32
+        for side in (e["spec"], e["plain"]):
+            assert 0 < side["latency_ms_median"] <= side["latency_ms_max"]
+            assert side["output_tokens_per_s"] > 0
+        assert e["latency_ratio"] == pytest.approx(
+            e["spec"]["latency_ms_median"] / e["plain"]["latency_ms_median"])
+        assert e["throughput_ratio"] == pytest.approx(
+            e["spec"]["output_tokens_per_s"] / e["plain"]["output_tokens_per_s"])
+    assert rep["spec_vs_plain"]["e2e_latency_ratio"] > 0
+
+
+def test_mode_outputs(report):
+    """The table's mode columns, the Markdown's round-mode and cost-model sections, the
+    JSON's new keys and the round-modes plot."""
+    rep, _, out = report
+    text = table(rep)
+    assert all(h in text for h in MODES_HEADER)
+    assert "round modes per steady round: fused 1 replay + 1 readback, split" in text
+    assert "end to end (B requests of 32 tokens" in text
+    md = (out / "bench.md").read_text()
+    assert "## Round modes" in md and "## Cost model" in md and "## JSON keys" in md
+    assert "| 1 | overlap | 1 | 0 | 1 | 0 | 2 |" in md
+    data = json.loads((out / "bench.json").read_text())
+    b = data["buckets"][0]
+    assert {"round_modes", "fused_vs_split_latency", "overlap_vs_fused_latency", "e2e"} <= set(b)
+    assert {"host_ms_median", "tpot_ms", "phase_times"} <= set(b["round_modes"]["split"])
+    assert (out / "round_modes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_capture_records_every_graph(report):
-    """One capture record per (kind, bucket), largest bucket first, with time and memory."""
+    """One capture record per (kind, bucket), largest bucket first, with time and memory:
+    the config's engines capture one fused round per bucket, the split engine one graph
+    per phase and bucket, the overlap engine one fused round per bucket."""
     rep, steps, _ = report
     kinds = 3 if steps > 1 else 2
-    recs = rep["capture"]["records"]
-    assert len(recs) == 2 * kinds
-    assert [r["bucket"] for r in recs] == [2] * kinds + [1] * kinds
+    cap = rep["capture"]
+    recs = cap["records"]
+    assert [(r["kind"], r["bucket"]) for r in recs] == [("round", 2), ("round", 1)]
     assert all(r["seconds"] > 0 and r["nbytes"] > 0 and r["ops"] > 0 for r in recs)
-    assert rep["capture"]["total_s"] == pytest.approx(sum(r["seconds"] for r in recs))
-    assert len(rep["capture"]["plain_records"]) == 2  # plain decoding: target_verify only
+    assert cap["total_s"] == pytest.approx(sum(r["seconds"] for r in recs))
+    assert len(cap["plain_records"]) == 2  # plain decoding: one round per bucket
+    split = cap["split_records"]
+    assert [r["bucket"] for r in split] == [2] * kinds + [1] * kinds
+    assert {r["kind"] for r in split} == {"rollout", "target_verify", "draft_extend"} - (
+        set() if steps > 1 else {"rollout"})
+    assert [r["kind"] for r in cap["overlap_records"]] == ["round", "round"]
 
 
 def test_outputs_exist(report):
@@ -97,7 +205,8 @@ def test_outputs_exist(report):
     assert data["settings"]["backend"] == "cpu" and data["settings"]["torch"]
     assert data["kv_pool_mb"]["target"] > data["kv_pool_mb"]["draft"] > 0  # SWA-only draft
     assert "| bucket |" in (out / "bench.md").read_text()
-    for name in ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png"):
+    assert "round_modes.png" in PLOTS
+    for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -148,9 +257,16 @@ def test_eager_backend_report_is_honest(tmp_path):
     for line in text.splitlines()[2:4]:  # the two bucket rows
         cells = line.split()
         assert cells[3:6] == ["-", "-", "-"] and cells[7:9] == ["-", "-"], line
+        assert cells[11:16] == ["-"] * len(MODES_HEADER), line  # no graph modes
     md = (tmp_path / "bench.md").read_text()
     assert "padding waste" not in md.lower() and "None: the eager backend has no graphs" in md
-    for name in ("round_latency.png", "submissions.png", "speedup_vs_acceptance.png"):
+    assert data["settings"]["round"] is None
+    for b in data["buckets"]:
+        assert b["round_modes"] == {"split": None, "fused": None, "overlap": None}
+        assert b["fused_vs_split_latency"] is None and b["overlap_vs_fused_latency"] is None
+        assert b["eager"]["phase_times"]["phase_ms"]  # eager phases are still timed
+        assert b["e2e"]["latency_ratio"] > 0  # eager spec vs eager plain
+    for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -156,7 +156,7 @@ def test_compile_engine_equals_reference(trained):
     spec, pool = SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(4, 128)
     backend = make_backend("compile", compile_backend="aot_eager")
     engine = SpecEngine(trained.target, trained.draft, spec, pool,
-                        GraphConfig(backend="compile", buckets=(2,)), backend=backend)
+                        GraphConfig(backend="compile", buckets=(2,), round="split"), backend=backend)
     assert backend.name == "compile" and backend.compiler.label == "aot_eager"
     assert sorted(engine.runner.graphs) == [(k, 2) for k in sorted(GRAPH_KINDS)]
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
@@ -222,7 +222,7 @@ def test_inductor_engine_equals_reference(trained):
     spec = SpeculativeConfig(num_steps=1, num_draft_tokens=2)
     backend = make_backend("compile", compile_backend="inductor")
     engine = SpecEngine(trained.target, trained.draft, spec, PoolConfig(4, 128),
-                        GraphConfig(backend="compile", buckets=(2,)), backend=backend)
+                        GraphConfig(backend="compile", buckets=(2,), round="split"), backend=backend)
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
     assert res.outputs == ref.outputs and res.stats["eager_fallbacks"] == 0
@@ -329,7 +329,7 @@ def test_cuda_compile_engine_equals_reference(compile_backend):
     backend = make_backend("compile", compile_backend=compile_backend)
     spec = SpeculativeConfig(num_steps=3, num_draft_tokens=4)
     engine = SpecEngine(models.target, models.draft, spec, PoolConfig(4, 128),
-                        GraphConfig(backend="compile", buckets=(1, 2)), backend=backend)
+                        GraphConfig(backend="compile", buckets=(1, 2), round="split"), backend=backend)
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(models.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
     assert res.outputs == ref.outputs

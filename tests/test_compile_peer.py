@@ -132,7 +132,7 @@ def test_dispatch_mode_fails_the_step_not_the_graphs(trained):
     refusal, Dynamo would have marked every graph uncompilable for good)."""
     spec, pool = SpeculativeConfig(num_steps=2, num_draft_tokens=3), PoolConfig(2, 128)
     engine = SpecEngine(trained.target, trained.draft, spec, pool,
-                        GraphConfig(backend="compile", buckets=(2,)),
+                        GraphConfig(backend="compile", buckets=(2,), round="split"),
                         backend=make_backend("compile", compile_backend="aot_eager"))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rids = [engine.add_request(p, 12, stop_ids=[]) for p in prompts]

@@ -110,7 +110,7 @@ def test_host_transfers_upload_and_readback():
     the readout rows, values in row order. On CPU the host buffers are plain, not pinned."""
     bufs = RoundBuffers.allocate(4, 2, 8, "cpu", torch.float32)
     host = HostTransfers(bufs)
-    assert not host.slots.is_pinned() and not host.out.is_pinned()
+    assert not host.slots.is_pinned() and not any(o.is_pinned() for o in host.out)
     bufs.slots.fill_(-1)
     with OpCounter() as ops:
         host.upload([7, 5], 3, bufs.slots)
@@ -137,6 +137,7 @@ class _SeqlenPhases:
     state: RequestState
     num_steps: int = 1
     kinds = ("target_verify",)
+    fused = False
 
     def run(self, kind: str, b: int) -> None:
         op = seqlen_op()
@@ -176,7 +177,7 @@ def test_cuda_host_transfers_are_pinned():
     """On a GPU the host buffers are pinned and a round's values survive the async copies."""
     bufs = RoundBuffers.allocate(4, 2, 8, "cuda", torch.float32)
     host = HostTransfers(bufs)
-    assert host.slots.is_pinned() and host.out.is_pinned()
+    assert host.slots.is_pinned() and all(o.is_pinned() for o in host.out)
     host.upload([7, 5], 4, bufs.slots)
     bufs.preds[:2].copy_(bufs.slots[:2].unsqueeze(1).expand(2, 3))
     values = host.readback(bufs.readout[:2])

@@ -23,4 +23,4 @@ def test_device_check_dry_run_writes_one_json(tmp_path):
     assert bench["rc"] == 0 and set(report["steps"]) == {"bench"}
     buckets = bench["report"]["buckets"]
     assert [b["bucket"] for b in buckets] == [1, 2, 4, 8]
-    assert all(b["graph"]["submissions_per_round"] == 5 for b in buckets)
+    assert all(b["graph"]["submissions_per_round"] == 2 for b in buckets)  # fused rounds

@@ -129,10 +129,11 @@ def test_repeat_interleave_with_output_size_is_captured():
 
 # -- 2. the real model's graphs -----------------------------------------------------
 
-def _engine(tiny, num_steps: int, buckets=(1, 2, 4)) -> SpecEngine:
+def _engine(tiny, num_steps: int, buckets=(1, 2, 4), round_mode="split") -> SpecEngine:
     return SpecEngine(tiny.target, tiny.draft,
                       SpeculativeConfig(num_steps=num_steps, num_draft_tokens=num_steps + 1),
-                      PoolConfig(4, 256), GraphConfig(backend="cpu", buckets=buckets))
+                      PoolConfig(4, 256), GraphConfig(backend="cpu", buckets=buckets,
+                                                      round=round_mode))
 
 
 def test_model_phases_capture_cleanly(tiny):
@@ -145,6 +146,17 @@ def test_model_phases_capture_cleanly(tiny):
     assert all(r.ops > 0 and r.nbytes > 0 and r.seconds > 0 for r in records), records
     buckets = [r.bucket for r in records]
     assert buckets == sorted(buckets, reverse=True)
+
+
+def test_fused_round_is_one_graph_per_bucket(tiny):
+    """graph.round fused: one graph per bucket (kind "round"), holding every phase's ops."""
+    split, fused = _engine(tiny, num_steps=3), _engine(tiny, num_steps=3, round_mode="fused")
+    assert {(r.kind, r.bucket) for r in fused.runner.records} == {
+        ("round", b) for b in (1, 2, 4)}
+    for b in (1, 2, 4):
+        phase_ops = sum(r.ops for r in split.runner.records if r.bucket == b)
+        (rec,) = [r for r in fused.runner.records if r.bucket == b]
+        assert rec.ops > phase_ops  # the three phases, plus the in-graph slot flip
 
 
 def test_one_step_captures_no_rollout(tiny):

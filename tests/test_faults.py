@@ -2,7 +2,8 @@
 
 Faults are injected at every boundary of ``step()``: the prefill forward, the
 prefill readback, each phase of each chunk of a split round, and each chunk's
-readback. After a fault (an exception) the requests of the unit that faulted
+readback (and, for fused rounds with overlap, the round's graph and the read of
+the round before it). After a fault (an exception) the requests of the unit that faulted
 are failed explicitly, with the error; every other request's output still
 equals the reference; the pool gets every row back. After an interrupt
 (``KeyboardInterrupt``) nobody fails: everything resumes where it was.
@@ -30,6 +31,9 @@ BUCKETS = (1, 2)  # 3..5 running requests split into chunks of 2, 2, 1
 KINDS = ("rollout", "target_verify", "draft_extend")
 POINTS = ("prefill", "prefill_readback",
           *(f"{k}@{c}" for c in (0, 1) for k in KINDS), "readback@0", "readback@1")
+# Fused rounds with overlap (buckets (2, 5): every round is one chunk, so every round
+# overlaps): the one graph per round, and the read of the round before it.
+FUSED_POINTS = ("prefill", "prefill_readback", "round@0", "readback@0")
 
 
 class InjectedFault(RuntimeError):
@@ -104,7 +108,9 @@ def engines(trained):
 
     def get(backend: str) -> SpecEngine:
         if backend not in cache:
-            graph = GraphConfig(backend="cpu", buckets=BUCKETS) if backend == "cpu" else None
+            graph = {"cpu": GraphConfig(backend="cpu", buckets=BUCKETS, round="split"),
+                     "fused": GraphConfig(backend="cpu", buckets=(2, MAX_REQUESTS),
+                                          round="fused", overlap="on")}.get(backend)
             cache[backend] = SpecEngine(trained.target, trained.draft,
                                         SpeculativeConfig(num_steps=3, num_draft_tokens=4),
                                         PoolConfig(MAX_REQUESTS, 160), graph)
@@ -167,7 +173,8 @@ def check(eng: SpecEngine, trained, sched, outputs, errors) -> None:
 
 
 # Eager rounds are one chunk of every running request: no chunk 1 to fault in.
-CASES = [("cpu", p) for p in POINTS] + [("eager", p) for p in POINTS if "@1" not in p]
+CASES = ([("cpu", p) for p in POINTS] + [("eager", p) for p in POINTS if "@1" not in p]
+         + [("fused", p) for p in FUSED_POINTS])
 
 
 @pytest.mark.parametrize("backend,point", CASES)
@@ -176,7 +183,7 @@ def test_fault_fails_only_its_unit_and_survivors_equal_reference(engines, traine
     """A fault at each step boundary fails that unit's requests, with the error named;
     the rest equal the reference; every pool row comes back."""
     eng = engines(backend)
-    sched = schedule(POINTS.index(point))
+    sched = schedule((POINTS + FUSED_POINTS).index(point) + (backend == "fused"))
     faults = Faults(eng, {point}, InjectedFault)
     try:
         outputs, errors = drive(eng, sched, faults, fire_from=1 if "@" in point else 0)
@@ -191,7 +198,7 @@ def test_fault_fails_only_its_unit_and_survivors_equal_reference(engines, traine
     check(eng, trained, sched, outputs, errors)
 
 
-@pytest.mark.parametrize("backend", ["eager", "cpu"])
+@pytest.mark.parametrize("backend", ["eager", "cpu", "fused"])
 def test_interrupt_at_any_boundary_loses_nothing(engines, trained, backend):
     """KeyboardInterrupt at every boundary: no request fails, all equal the reference."""
     eng = engines(backend)
@@ -210,9 +217,10 @@ def test_interrupt_at_any_boundary_loses_nothing(engines, trained, backend):
 def test_random_faults_over_random_schedules(engines, trained, seed):
     """Several faults and interrupts at random boundaries of a random schedule."""
     rng = random.Random(seed)
-    eng = engines(rng.choice(["eager", "cpu"]))
+    eng = engines(rng.choice(["eager", "cpu", "fused"]))
     sched = schedule(100 + seed)
-    points = set(rng.sample([p for p in POINTS if "@1" not in p], 3))
+    points = set(rng.sample([p for p in POINTS if "@1" not in p]
+                            if eng.runner.phases.kinds != ("round",) else FUSED_POINTS, 3))
     error = rng.choice([InjectedFault, KeyboardInterrupt, MemoryError])
     faults = Faults(eng, points, error)
     try:

@@ -128,7 +128,8 @@ def test_good_graph_section_loads_as_written(tmp_path):
     body = ("backend: cpu\nbuckets: [1, 3, 6]\nkinds: [target_verify, rollout]\nwarmup: 0\n"
             "debug_check_addresses: true")
     cfg = load_run_config(write(tmp_path, body))
-    assert cfg.graph == GraphConfig("cpu", (1, 3, 6), ("target_verify", "rollout"), 0, True)
+    assert cfg.graph == GraphConfig("cpu", (1, 3, 6), ("target_verify", "rollout"), 0, True,
+                                    round="split", overlap="off")  # auto: not every phase
     assert load_run_config(write(tmp_path, "kinds: []")).graph.kinds == ()
     assert load_run_config(write(tmp_path, "buckets: [2]")).graph.buckets == (2,)
 

@@ -81,11 +81,16 @@ def engines(trained, tiny):
     cache: dict[tuple, SpecEngine] = {}
     models = {"trained": trained, "tiny": tiny}
 
-    def get(model: str, num_steps: int, graphs: bool) -> SpecEngine:
+    modes = {"split": {"round": "split"}, "fused": {"round": "fused", "overlap": "off"},
+             "overlap": {"round": "fused", "overlap": "on"}}
+
+    def get(model: str, num_steps: int, graphs: bool | str) -> SpecEngine:
+        """graphs: False (eager), True (the defaults: fused with overlap) or a mode."""
         key = (model, num_steps, graphs)
         if key not in cache:
+            kw = modes.get(graphs, {}) if isinstance(graphs, str) else {}
             cache[key] = make_engine(models[model], num_steps,
-                                     graph=cpu_graphs() if graphs else None)
+                                     graph=cpu_graphs(**kw) if graphs else None)
         eng = cache[key]
         while eng.has_work:  # only after a failed test: don't let its failure cascade
             eng.step()
@@ -167,37 +172,53 @@ def grow_and_shrink(seed: int) -> list[Req]:
 
 # -- 1. parity ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model,num_steps", [("trained", 3), ("trained", 1), ("tiny", 2)])
-def test_graph_parity_growing_and_shrinking_batches(engines, model, num_steps, request):
-    """Graphs equal eager and reference (tokens, drafts, acceptance), batch 1..6 up and down."""
+@pytest.mark.parametrize("model,num_steps,mode", [
+    ("trained", 3, "split"), ("trained", 1, "split"), ("tiny", 2, "split"),
+    ("trained", 3, "fused"), ("trained", 1, "fused"), ("tiny", 2, "fused"),
+    ("trained", 3, "overlap"), ("trained", 1, "overlap"), ("tiny", 2, "overlap")])
+def test_graph_parity_growing_and_shrinking_batches(engines, model, num_steps, mode, request):
+    """Graphs equal eager and reference (tokens, drafts, acceptance), batch 1..6 up and down,
+    for split rounds, fused rounds and fused rounds with overlap (whose tokens arrive a
+    step later, so only its per-step shape differs)."""
     models = request.getfixturevalue(model)
     schedule = grow_and_shrink(40 + num_steps)
     # A stop token inside the longest request's output: it ends on the stop, not the limit.
     full = reference(models.target, schedule[0].prompt, schedule[0].max_new)
     schedule[0].stops = [full[31]]
-    graph = run_schedule(engines(model, num_steps, True), schedule)
+    graph = run_schedule(engines(model, num_steps, mode), schedule)
     eager = run_schedule(engines(model, num_steps, False), schedule)
-    assert_same_run(graph, eager)
+    if mode == "overlap":
+        assert graph.outputs == eager.outputs
+        assert {k: [t for _, t in v] for k, v in graph.trace.items()} == {
+            k: [t for _, t in v] for k, v in eager.trace.items()}  # every round's drafts
+        assert {k: graph.stats[k] for k in SPEC_STATS} == {k: eager.stats[k] for k in SPEC_STATS}
+    else:
+        assert_same_run(graph, eager)
     for i, r in enumerate(schedule):
         assert graph.outputs[i] == reference(models.target, r.prompt, r.max_new, r.stops), i
     assert len(graph.outputs[0]) <= 32 and graph.outputs[0][-1] == full[31]
     # Every batch size from 1 to one above the largest bucket, and it went both ways.
+    if mode == "overlap":
+        return
     assert set(range(1, 6)) <= set(graph.batch_sizes)
     pairs = list(zip(graph.batch_sizes, graph.batch_sizes[1:]))
     assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)
     c = graph.counters
     assert c["bucket_splits"] == sum(b > 4 for b in graph.batch_sizes) > 0
     assert c["padded_rows"] == sum(b == 3 for b in graph.batch_sizes) > 0  # 3 -> bucket 4
-    assert c["graph_replays"] == c["rounds"] * (3 if num_steps > 1 else 2)
+    per_round = 1 if mode == "fused" else (3 if num_steps > 1 else 2)
+    assert c["graph_replays"] == c["rounds"] * per_round
 
 
 def test_graph_parity_long_requests_cross_window_and_c128(engines, trained):
     """2 x ~260 tokens (past SWA, C4, C128 at 128/256): graphs equal eager and reference."""
     p = corpus_prompts(7, [12, 30])
     schedule = [Req(0, p[0], 260), Req(0, p[1], 230)]  # last positions 273 and 261
-    graph = run_schedule(engines("trained", 3, True), schedule)
+    graph = run_schedule(engines("trained", 3, "fused"), schedule)
     eager = run_schedule(engines("trained", 3, False), schedule)
     assert_same_run(graph, eager)
+    overlap = run_schedule(engines("trained", 3, "overlap"), schedule)
+    assert overlap.outputs == eager.outputs
     ref = reference_generate(trained.target, [p[0], p[1]], 260, stop_ids=set(),
                              max_context=300).outputs
     assert graph.outputs == {0: ref[0], 1: ref[1][:230]}
@@ -301,6 +322,8 @@ def poison(eng: SpecEngine, batch: int) -> None:
         state.seed[slot] = math.nan
     bufs = vars(eng.runner.phases.bufs)
     max_batch = bufs["slots"].shape[0]
+    if eng.runner.phases.fused:
+        bufs = {k: v for k, v in bufs.items() if k != "slots"}
     for t in bufs.values():
         rows_per_request = t.shape[0] // max_batch  # hidden holds N rows per request
         tail = t[batch * rows_per_request:]
@@ -314,9 +337,13 @@ def poison(eng: SpecEngine, batch: int) -> None:
                     comp.entries[:comp.per_request] = math.nan
 
 
-def test_padding_rows_are_inert(trained):
-    """Garbage in state row 0, buffers past the batch and KV row 0 never reaches real tokens."""
-    eng = make_engine(trained, 3, max_requests=4, max_context=96, graph=cpu_graphs())
+@pytest.mark.parametrize("round_mode", ["split", "fused"])
+def test_padding_rows_are_inert(trained, round_mode):
+    """Garbage in state row 0, buffers past the batch and KV row 0 never reaches real tokens.
+    (Fused rounds keep the staged slots on the device between rounds: those are the
+    runner's own record of what it staged, so the poison leaves them alone there.)"""
+    eng = make_engine(trained, 3, max_requests=4, max_context=96,
+                      graph=cpu_graphs(round=round_mode))
     prompts = corpus_prompts(21, [10, 19, 6]) + [random_prompt(15, 5)]
     limits = [7, 40, 13, 30]  # two leave early, at different rounds
     rids = [eng.add_request(p, n, stop_ids=[]) for p, n in zip(prompts, limits)]
@@ -332,9 +359,10 @@ def test_padding_rows_are_inert(trained):
             outputs[o.rid].extend(o.new_tokens)
         if c.padded_rows > padded:
             # A padding row ran over the poison: it read row 0 masked (length 0) and
-            # wrote a length of at most N into row 0's other copy.
+            # wrote a length of at most N into row 0's other copy (fused rounds flip
+            # padding between row 0's copies too).
             padded_steps += 1
-            assert int(eng.state.lengths[eng.state.rows]) <= 4
+            assert min(int(eng.state.lengths[0]), int(eng.state.lengths[eng.state.rows])) <= 4
     for rid, p, n in zip(rids, prompts, limits):
         assert outputs[rid] == reference(trained.target, p, n), rid
     assert padded_steps > 0 and c.padded_rows > 0
@@ -365,11 +393,13 @@ def test_kinds_switched_off_run_eagerly_and_are_counted(trained, kinds, replays,
 
 # -- 6. replay counts --------------------------------------------------------------------
 
-@pytest.mark.parametrize("num_steps,replays", [(3, 3), (1, 2)])
-def test_steady_round_costs(engines, num_steps, replays):
-    """A steady 3-request round: one replay per phase, 1 staging copy (the slots upload), 1
-    readback copy (the readout rows: accept_lens, preds, drafts), 0 updates, 1 pad."""
-    eng = engines("trained", num_steps, True)
+@pytest.mark.parametrize("num_steps,round_mode,replays,staging", [
+    (3, "split", 3, 1), (1, "split", 2, 1), (3, "fused", 1, 0), (1, "fused", 1, 0)])
+def test_steady_round_costs(trained, num_steps, round_mode, replays, staging):
+    """A steady 3-request round. Split: one replay per phase, 1 staging copy (the slots
+    upload), 1 readback copy (the readout rows: accept_lens, preds, drafts), 0 updates,
+    1 pad. Fused: 1 replay, 0 staging (the round flipped the slots itself), 1 readback."""
+    eng = make_engine(trained, num_steps, graph=cpu_graphs(round=round_mode, overlap="off"))
     for p in corpus_prompts(50, [10, 20, 30]):
         eng.add_request(p, 40, stop_ids=[])
     eng.step()  # admission and the first round
@@ -378,7 +408,7 @@ def test_steady_round_costs(engines, num_steps, replays):
         outs = eng.step()
         assert len(outs) == 3 and not any(o.finished for o in outs)
         delta = {k: v - before[k] for k, v in eng.runner.counters.as_dict().items()}
-        assert delta == {"rounds": 1, "graph_replays": replays, "staging_copies": 1,
+        assert delta == {"rounds": 1, "graph_replays": replays, "staging_copies": staging,
                          "readback_copies": 1, "graph_updates": 0, "eager_fallbacks": 0,
                          "bucket_splits": 0, "padded_rows": 1, "real_rows": 3,
                          "graph_collectives": 0}

@@ -61,14 +61,20 @@ def expected(trained):
 
 # -- 1. NPUGraph adapter drives the engine --------------------------------------------
 
-def test_npu_backend_engine_equals_eager_and_reference(trained, expected):
-    """The NPU adapter engine (fake namespace) replays graphs and equals eager and the oracle."""
+@pytest.mark.parametrize("round_mode,kinds", [
+    ("split", ("rollout", "target_verify", "draft_extend")), ("fused", ("round",))])
+def test_npu_backend_engine_equals_eager_and_reference(trained, expected, round_mode, kinds):
+    """The NPU adapter engine (fake namespace) replays graphs and equals eager and the
+    oracle, with split rounds and with the fused round (one NPU graph per bucket; overlap
+    resolves off on NPU graphs)."""
     reg = UpdateRegistry()
     backend = NpuBackend(reg, namespace=make_fake_npu(), version=NEW_NPU)
     engine = SpecEngine(trained.target, trained.draft, SPEC, POOL,
-                        GraphConfig(backend="npu", buckets=(1, 2)), backend=backend, updates=reg)
+                        GraphConfig(backend="npu", buckets=(1, 2), round=round_mode),
+                        backend=backend, updates=reg)
+    assert not engine._overlap
     assert {(r.kind, r.bucket) for r in engine.runner.records} == {
-        (k, b) for k in ("rollout", "target_verify", "draft_extend") for b in (1, 2)}
+        (k, b) for k in kinds for b in (1, 2)}
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     assert res.outputs == expected.outputs
     st = res.stats
@@ -243,7 +249,8 @@ def test_torchair_engine_through_dynamo_equals_reference(trained):
                            torchair=_FakeTorchair(), lookup=_registered("npugraph_ex"))
     spec = SpeculativeConfig(num_steps=1, num_draft_tokens=2)  # 2 kinds: 2 graphs, fast
     engine = SpecEngine(trained.target, trained.draft, spec, POOL,
-                        GraphConfig(backend="torchair", buckets=(2,)), backend=backend)
+                        GraphConfig(backend="torchair", buckets=(2,), round="split"),
+                        backend=backend)
     assert backend.captured == 2 and len(engine.runner.graphs) == 2
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(),

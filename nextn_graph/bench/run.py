@@ -32,12 +32,15 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
             "waste": sum(r["padded_rows"] for r in rows) / real}
 
 
-def _capture(engine, plain=None) -> dict:
+def _capture(engine, **others) -> dict:
+    """The engine's capture records and totals; ``others``: more engines' records, as
+    ``NAME_records`` (plain, split, overlap), where they exist."""
     records = [asdict(r) for r in engine.runner.records]
     out = {"records": records, "total_s": sum(r["seconds"] for r in records),
            "total_mb": sum(r["nbytes"] for r in records) / 2**20}
-    if plain is not None:
-        out["plain_records"] = [asdict(r) for r in plain.runner.records]
+    for name, other in others.items():
+        if other is not None:
+            out[f"{name}_records"] = [asdict(r) for r in other.runner.records]
     return out
 
 
@@ -53,7 +56,8 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
     engines = build_engines(models, cfg, progress)
     buckets = cfg.graph.buckets
     prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)
-    results, done, total = [], 0, len(buckets) * st.repeats * len(engines.by_name())
+    # per bucket and repeat: one measurement per engine, then the end-to-end pair
+    results, done, total = [], 0, len(buckets) * st.repeats * (len(engines.by_name()) + 1)
 
     def tick() -> None:
         nonlocal done
@@ -71,10 +75,15 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
             "machine": platform.platform(), "processor": platform.machine(),
             "threads": torch.get_num_threads(), "bench": asdict(st),
             "graphs": engines.has_graphs,  # False for the eager backend: graph figures null
+            # the config's graph round: fused (then split and overlap are measured too),
+            # split (the only graph mode), or None without graphs
+            "round": ("fused" if engines.fused else "split") if engines.has_graphs else None,
+            "phase_rounds": st.phase_rounds,  # rounds timed phase by phase, per repeat
             "compile_peer": (engines.compile_spec.runner.backend.compiler.label
                              if engines.compile_spec else None),
         },
-        "capture": (_capture(engines.graph_spec, engines.graph_plain)
+        "capture": (_capture(engines.graph_spec, plain=engines.graph_plain,
+                             split=engines.split_spec, overlap=engines.overlap_spec)
                     if engines.has_graphs else None),
         # the compile peer's graphs: compile time (trace + compile + record) and memory
         "compile_capture": _capture(engines.compile_spec) if engines.compile_spec else None,
@@ -94,6 +103,9 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
                 r["spec_vs_plain"]["acceptance_length"] for r in results),
             "draft_acceptance_rate": statistics.mean(
                 r["spec_vs_plain"]["draft_acceptance_rate"] for r in results),
+            # end to end (B requests of max_new tokens): spec over plain request latency
+            "e2e_latency_ratio": statistics.geometric_mean(
+                r["e2e"]["latency_ratio"] for r in results),
             "per_bucket": {r["bucket"]: r["spec_vs_plain"] for r in results},
         },
         # eager runs each batch at its real size: nothing is padded

@@ -35,6 +35,7 @@ from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
 from .emulator import CaptureError
+from .transfers import HostTransfers, PendingRead
 from .updates import UpdateContext, UpdateRegistry
 
 
@@ -99,54 +100,20 @@ def plan_chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class PendingChunk:
+    """A launched chunk whose readback is under way."""
+
+    rows: int  # b, the real requests
+    read: PendingRead
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """Host copies of what the round decided, per real request in order."""
 
     accept_lens: list[int]
     preds: list[list[int]]  # [b][N]
     drafts: list[list[int]]  # [b][S]
-
-
-class HostTransfers:
-    """Host ends of a round's two transfers, allocated once at the largest bucket: the
-    slots upload and the readback. Pinned on cuda/npu (a non_blocking copy from pageable
-    memory is a hidden host sync on torch_npu); plain tensors on CPU, where copies are
-    synchronous. The readback's stream sync is the round's only host sync."""
-
-    def __init__(self, bufs):
-        device = bufs.slots.device
-        pinned = device.type in ("cuda", "npu")
-        bmax = bufs.slots.shape[0]
-        self.slots = torch.zeros(bmax, dtype=torch.int64, pin_memory=pinned)  # [Bmax]
-        self._slots = self.slots.numpy()  # written in place on the host: no tensor per round
-        self.out = torch.zeros(bufs.readout.numel(), dtype=torch.int64,
-                               pin_memory=pinned)  # [Bmax*(1+N+S)]
-        self._device = device
-        self._uploading = False  # an upload not yet followed by a readback's sync
-
-    def _sync(self) -> None:
-        """Wait for the current stream: what the round enqueued is done (nothing on CPU)."""
-        if self._device.type != "cpu":
-            torch.get_device_module(self._device).current_stream(self._device).synchronize()
-
-    def upload(self, slots: list[int], bucket: int, dst: torch.Tensor) -> None:
-        """dst[:bucket] <- slots padded with slot 0, one non_blocking host->device copy."""
-        if self._uploading:  # the last round failed before its readback: its upload may
-            self._sync()  # still be reading the buffer this one is about to rewrite
-        b = len(slots)
-        self._slots[:b] = slots
-        self._slots[b:bucket] = 0
-        dst[:bucket].copy_(self.slots[:bucket], non_blocking=True)
-        self._uploading = True
-
-    def readback(self, rows: torch.Tensor) -> list[int]:
-        """Contiguous device rows -> their values: one non_blocking device->host copy,
-        then the one host sync."""
-        size = rows.numel()
-        self.out[:size].view(rows.shape).copy_(rows, non_blocking=True)
-        self._sync()
-        self._uploading = False
-        return self.out[:size].tolist()
 
 
 @dataclass
@@ -171,6 +138,9 @@ class RoundRunner:
     # host seconds spent inside graph replay calls (the rest of a round is host work:
     # staging, readback, updates, eager phases, the engine's bookkeeping)
     replay_s: float = 0.0
+    # when a list: one {"event": "launch" | "read", "start", "end"} per chunk half
+    # (perf_counter seconds), for the bench's per-round trace
+    trace: list | None = None
     # (bucket, slots) the device's staged slots hold after the last chunk, when known
     _resident: tuple | None = None
     _host: HostTransfers = field(init=False)
@@ -241,6 +211,15 @@ class RoundRunner:
         the other copies; nothing is committed here, so a raise leaves every
         request's committed state as it was. ``read`` False (tensor-parallel ranks
         other than 0): nothing is read back."""
+        pending = self.launch_chunk(slots, lengths, bucket, read)
+        return self.finish_chunk(pending) if read else None
+
+    def launch_chunk(self, slots: list[int], lengths: list[int], bucket: int,
+                     read: bool = True) -> PendingChunk | None:
+        """``run_chunk``'s first half: stage (if the slots are not already in place),
+        run every kind, and start the readback; ``finish_chunk`` waits for it. Another
+        chunk may be launched in between (it is queued behind this one's copy)."""
+        start = time.perf_counter()
         b = len(slots)
         c = self.counters
         c.rounds, c.real_rows, c.padded_rows = c.rounds + 1, c.real_rows + b, c.padded_rows + bucket - b
@@ -257,7 +236,26 @@ class RoundRunner:
         if self.phases.fused:  # the round flipped the staged slots to its new copies
             rows = self.phases.state.rows
             self._resident = (bucket, tuple((s + rows) % (2 * rows) for s in slots))
-        return self._readback(b) if read else None
+        pending = None
+        if read:  # one copy of b rows [accept_len, preds, drafts]
+            pending = PendingChunk(b, self._host.start_read(self.phases.bufs.readout[:b]))
+            c.readback_copies += 1
+        self._record("launch", start)
+        return pending
+
+    def finish_chunk(self, pending: PendingChunk) -> RoundResult:
+        """Wait for a launched chunk's readback (its one host sync) -> what it decided."""
+        start = time.perf_counter()
+        host = self._host.finish_read(pending.read)  # [b, 1 + N + S] flat
+        n, w = self.num_steps + 1, self.phases.bufs.readout.shape[1]
+        rows = [host[i * w:(i + 1) * w] for i in range(pending.rows)]
+        self._record("read", start)
+        return RoundResult([r[0] for r in rows], [r[1:1 + n] for r in rows],
+                           [r[1 + n:] for r in rows])
+
+    def _record(self, event: str, start: float) -> None:
+        if self.trace is not None:
+            self.trace.append({"event": event, "start": start, "end": time.perf_counter()})
 
     def _run_phase(self, kind: str, bucket: int, graph: Graph | None, slots: list[int],
                    lengths: list[int]) -> None:
@@ -280,13 +278,3 @@ class RoundRunner:
         c.graph_replays += 1
         if self._issued() == issued:  # a compiled graph counts its own (Dynamo replays the
             c.graph_collectives += self._collectives.get((kind, bucket), 0)  # increments)
-
-    def _readback(self, b: int) -> RoundResult:
-        """The round's one host sync: one copy of b rows [accept_len, preds, drafts]."""
-        bufs, n = self.phases.bufs, self.num_steps + 1
-        host = self._host.readback(bufs.readout[:b])  # [b, 1 + N + S]
-        self.counters.readback_copies += 1
-        w = bufs.readout.shape[1]
-        rows = [host[i * w:(i + 1) * w] for i in range(b)]
-        return RoundResult([r[0] for r in rows], [r[1:1 + n] for r in rows],
-                           [r[1 + n:] for r in rows])

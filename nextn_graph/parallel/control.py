@@ -46,7 +46,8 @@ class Channel:
 
     def __init__(self, group: "TPGroup"):
         self.group = group
-        self._buf = torch.zeros(_HEAD + 2 * INLINE_ROWS, dtype=torch.int64)  # [head + 2*rows]
+        self._buf = torch.zeros(_HEAD + 2 * INLINE_ROWS, dtype=torch.int64,
+                                device="cpu")  # [head + 2*rows]; host messages
         self._host = self._buf.numpy()  # written in place: no tensor per round
         self._engines = 0
 

@@ -41,13 +41,14 @@ from ..graph.runner import RoundRunner
 from ..graph.updates import UpdateRegistry
 from . import phases
 from .buffers import RequestState, RoundBuffers
+from .driver import RoundDriver
 from .round import RoundPhases
 from .request import Request, StepOutput
 from .stats import SpecStats
 
 log = logging.getLogger(__name__)
 
-class SpecEngine:
+class SpecEngine(RoundDriver):
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                  spec: SpeculativeConfig | None, pool: PoolConfig,
                  graph: GraphConfig | None = None,
@@ -102,6 +103,8 @@ class SpecEngine:
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates, collectives=self.tp.counts)
         self.runner.capture(progress=progress and self.tp.is_driver)
+        self._overlap = graph.overlap == "on"  # see runtime/driver.py
+        self._inflight = collections.deque()  # overlapped rounds launched, not yet read
         # Waiting requests in arrival order; an aborted one stays until admission
         # skips it (finished), so abort() is O(1) however long the queue.
         self._waiting: collections.deque[Request] = collections.deque()
@@ -164,12 +167,14 @@ class SpecEngine:
 
     @property
     def lookahead(self) -> int:
-        """Positions a verify window writes past a request's last output: S - 1."""
-        return max(self.num_steps - 1, 0)
+        """Positions a verify window writes past a request's last output: S - 1, and N
+        more with overlap (the round launched before the request's end was read)."""
+        extra = self.num_steps + 1 if self._overlap else 0  # a finished request's extra round
+        return max(self.num_steps - 1, 0) + extra
 
     @property
     def has_work(self) -> bool:
-        return bool(self._num_waiting or self._running or self._outbox)
+        return bool(self._num_waiting or self._running or self._outbox or self._inflight)
 
     @property
     def num_waiting(self) -> int:
@@ -183,7 +188,7 @@ class SpecEngine:
         start = time.perf_counter()
         self._admit()
         mid = time.perf_counter()
-        if self._running and not self._broken:
+        if (self._running or self._inflight) and not self._broken:
             self._round()
         self.stats.prefill_s += mid - start
         self.stats.round_s += time.perf_counter() - mid
@@ -197,10 +202,12 @@ class SpecEngine:
         self._live.pop(req.rid, None)
         self.models.target_pool.release(req.row)
 
-    def _commit(self, req: Request, tokens: list[int], drafts: list[int]) -> None:
+    def _commit(self, req: Request, tokens: list[int], drafts: list[int],
+                hold: bool = False) -> None:
+        """``hold``: the request is in the round in flight, which releases its row."""
         kept = req.emit(tokens)
         self.stats.emitted_tokens += len(kept)
-        if req.finished:
+        if req.finished and not hold:
             self._release(req)
         self._outbox.append(StepOutput(req.rid, kept, req.finished, drafts))
 
@@ -226,21 +233,8 @@ class SpecEngine:
         self._fail(list(reqs) + others, exc, f"{where} (tensor-parallel rank {self.tp.rank})")
         self._waiting.clear()
         self._num_waiting = 0
+        self._inflight.clear()
         self._broken = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
-
-    # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
-    @torch.no_grad()
-    def follow_admit(self, rows: list[int], prompts: list[list[int]]) -> None:
-        self._prefill_rows(rows, prompts)
-
-    @torch.no_grad()
-    def follow_round(self, slots: list[int], lengths: list[int]) -> None:
-        """Rank 0's round, chunk for chunk, without reading anything back."""
-        start = 0
-        for size, bucket in self.runner.plan(len(slots)):
-            self.runner.run_chunk(slots[start:start + size], lengths[start:start + size],
-                                  bucket, read=False)
-            start += size
 
     # -- phases ----------------------------------------------------------------
     @torch.no_grad()
@@ -294,46 +288,6 @@ class SpecEngine:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.state.store(slots, lengths, bonus, cand1, seed)
         return bonus
-
-    @torch.no_grad()
-    def _round(self) -> None:
-        """Run every chunk, then commit the ones that read back (host only)."""
-        active = list(self._running.values())
-        slots = [self.state.slot(r.row, r.copy) for r in active]
-        lengths = [r.committed for r in active]
-        if self.tp.parallel:  # the round's one control message, before its staging copy
-            try:
-                self.tp.channel.send_round(self.engine_id, slots, lengths)
-            except Exception as exc:
-                self._fail_group(active, exc, "decode round")
-                return
-        done = []
-        start = 0
-        for size, bucket in self.runner.plan(len(active)):
-            chunk, part = active[start:start + size], slice(start, start + size)
-            start += size
-            try:
-                res = self.runner.run_chunk(slots[part], lengths[part], bucket)
-            except Exception as exc:
-                if self.tp.parallel:
-                    self._fail_group(active, exc, "decode round")
-                    return
-                self._fail(chunk, exc, "decode round")
-                continue
-            done.append((chunk, res))
-        s, st = self.num_steps, self.stats
-        st.rounds += int(bool(done))
-        for chunk, res in done:
-            b = len(chunk)
-            st.request_rounds += b
-            st.verify_forwards += 1
-            st.nextn_extend_forwards += int(s > 0)
-            st.nextn_decode_forwards += max(s - 1, 0)
-            st.proposed_drafts += b * s
-            st.accepted_drafts += sum(res.accept_lens) - b
-            for req, a, preds, drafts in zip(chunk, res.accept_lens, res.preds, res.drafts):
-                req.copy ^= 1  # the round's next state is now the committed one
-                self._commit(req, preds[:a], drafts)
 
     # -- convenience -----------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

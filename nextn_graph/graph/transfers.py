@@ -1,0 +1,83 @@
+"""The host ends of a round's two transfers: the slots upload and the readback.
+
+Allocated once at the largest bucket. Pinned on cuda/npu (a non_blocking copy from
+pageable memory is a hidden host sync on torch_npu); plain tensors on CPU, where
+copies are synchronous. A readback is two halves: ``start_read`` enqueues the
+device->host copy into one of two host buffers (and, on a device, records an
+event after it); ``finish_read`` waits for that event only and reads the values.
+Between the halves the host may launch the next round: its replay is queued
+behind the copy, so it cannot overwrite the rows being read, and the wait is for
+the copy, not for the next round (the overlap of ``graph.overlap``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PendingRead:
+    """A started readback: which host buffer, how many values, and its event."""
+
+    buffer: int
+    size: int
+    event: object | None  # a device event after the copy (None on CPU)
+    uploads: int  # uploads enqueued before it: waiting for it covers those
+
+
+class HostTransfers:
+    def __init__(self, bufs):
+        device = bufs.slots.device
+        pinned = device.type in ("cuda", "npu")
+        bmax = bufs.slots.shape[0]
+        self.slots = torch.zeros(bmax, dtype=torch.int64, pin_memory=pinned)  # [Bmax]
+        self._slots = self.slots.numpy()  # written in place on the host: no tensor per round
+        # two readback buffers [Bmax*(1+N+S)] each: one being read while the next fills
+        self.out = [torch.zeros(bufs.readout.numel(), dtype=torch.int64, pin_memory=pinned)
+                    for _ in range(2)]
+        self._next = 0
+        self._device = device
+        self._module = torch.get_device_module(device) if device.type != "cpu" else None
+        self._uploads = 0  # uploads enqueued so far
+        self._uploading = False  # an upload that no finished read has waited for yet
+
+    def _sync(self) -> None:
+        """Wait for the current stream: what the round enqueued is done (nothing on CPU)."""
+        if self._module is not None:
+            self._module.current_stream(self._device).synchronize()
+
+    def upload(self, slots: list[int], bucket: int, dst: torch.Tensor) -> None:
+        """dst[:bucket] <- slots padded with slot 0, one non_blocking host->device copy."""
+        if self._uploading:  # the last upload may still be reading the buffer this one
+            self._sync()  # is about to rewrite (a failed round, or an overlapped one)
+        b = len(slots)
+        self._slots[:b] = slots
+        self._slots[b:bucket] = 0
+        dst[:bucket].copy_(self.slots[:bucket], non_blocking=True)
+        self._uploads += 1
+        self._uploading = True
+
+    def start_read(self, rows: torch.Tensor) -> PendingRead:
+        """Enqueue the copy of contiguous device rows into the next host buffer."""
+        i, size = self._next, rows.numel()
+        self._next ^= 1
+        self.out[i][:size].view(rows.shape).copy_(rows, non_blocking=True)
+        event = None
+        if self._module is not None:
+            event = self._module.Event()
+            event.record()
+        return PendingRead(i, size, event, self._uploads)
+
+    def finish_read(self, read: PendingRead) -> list[int]:
+        """Wait for that copy (the round's one host sync) -> the values."""
+        if read.event is not None:
+            read.event.synchronize()
+        if read.uploads == self._uploads:  # no upload since that copy was enqueued
+            self._uploading = False
+        return self.out[read.buffer][:read.size].tolist()
+
+    def readback(self, rows: torch.Tensor) -> list[int]:
+        """Both halves at once: one copy, then the one host sync."""
+        return self.finish_read(self.start_read(rows))

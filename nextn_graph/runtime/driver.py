@@ -1,0 +1,167 @@
+"""The round's driver: run every running request's decode round and commit it.
+
+``RoundDriver`` is the part of ``SpecEngine`` that drives rounds (the engine owns
+requests, admission and failure; this owns one round's launch, read and commit).
+
+Two ways to drive a round:
+
+- **in step** (split rounds, or ``graph.overlap`` off): launch every chunk, read each
+  back, commit. The host's outputs are the truth; a round writes the next state into
+  the other copy, and a request flips to it only after its readback succeeded.
+- **overlapped** (fused rounds with ``graph.overlap`` on): a step launches round k of
+  the running requests from their device-side state (the fused round moved it) and
+  only then reads round k-1's tokens, so the host's read and commit of k-1 run while
+  k is queued. A request that finished in k-1 (a stop token or its length) is in
+  round k already: that extra round's tokens are dropped and its row is released
+  when k is read; they are never emitted and touch only the request's own row. The
+  extra round writes up to N positions past the request's end, which admission
+  reserves (``lookahead``). A batch larger than the largest bucket, or an empty one,
+  first drains the round in flight and then runs in step.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ..graph.runner import PendingChunk, RoundResult, plan_chunks
+from .request import Request
+
+
+class RoundDriver:
+    """Mixed into ``SpecEngine``: uses its requests, runner, stats and commit/fail."""
+
+    # rounds launched and not yet read, oldest first (at most two: the one being read
+    # and the one just launched); one stays here until its readback succeeded, so an
+    # interrupt during a read loses nothing: the next step reads it again
+    _inflight: collections.deque
+
+    @torch.no_grad()
+    def _round(self) -> None:
+        while len(self._inflight) > 1:  # a read an interrupt cut short: finish it first
+            self._finish_oldest()  # (the next launch would reuse its host buffer)
+        live = [r for r in self._running.values() if not r.finished]
+        if not self._overlap:
+            return self._round_in_step(live)
+        buckets = self.runner.buckets if self.runner.graphs else ()
+        if not live or len(plan_chunks(len(live), buckets)) != 1:
+            # nothing to launch, or a split round: no overlap this time
+            self._drain()  # (which may finish some)
+            live = [r for r in self._running.values() if not r.finished]
+            return self._round_in_step(live) if live else None
+        (_, bucket), = self.runner.plan(len(live))
+        slots, lengths = self._announce(live)
+        if slots is None:
+            return
+        try:
+            pending = self.runner.launch_chunk(slots, lengths, bucket)
+        except Exception as exc:
+            self._drain()  # round k-1 read and committed first (it may finish some)
+            live = [r for r in live if not r.finished]
+            return self._unit_failed(live, live, exc)
+        for req in live:
+            req.copy ^= 1  # the device state moves on with the round in flight
+        self._inflight.append((live, pending))
+        while len(self._inflight) > 1:
+            self._finish_oldest()
+
+    def _announce(self, reqs: list[Request]):
+        """The round's slots and committed lengths; on a tensor-parallel group, rank 0's
+        one control message (before the staging copy). (None, None) if that failed."""
+        slots = [self.state.slot(r.row, r.copy) for r in reqs]
+        lengths = [r.committed for r in reqs]  # overlapped: one round behind (no kernel
+        if self.tp.parallel:  # takes host lengths then, see config._resolve_overlap)
+            try:
+                self.tp.channel.send_round(self.engine_id, slots, lengths)
+            except Exception as exc:
+                self._fail_group(reqs, exc, "decode round")
+                return None, None
+        return slots, lengths
+
+    def _unit_failed(self, chunk: list[Request], active: list[Request], exc: Exception) -> None:
+        if self.tp.parallel:
+            self._fail_group(active, exc, "decode round")
+        else:
+            self._fail(chunk, exc, "decode round")
+
+    def _drain(self) -> None:
+        """Read and commit every round in flight."""
+        while self._inflight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        """Read the oldest round in flight back and commit it; requests that finished
+        before it (or were aborted) had their extra round: dropped, rows released."""
+        chunk, pending = self._inflight[0]
+        try:
+            res = self.runner.finish_chunk(pending)
+        except Exception as exc:
+            self._inflight.popleft()
+            alive = [r for r in chunk if not r.finished]
+            for req in chunk:  # their extra round's rows go back too
+                if req.finished and self._running.get(req.row) is req:
+                    self._release(req)
+            return self._unit_failed(alive, alive, exc)
+        self._inflight.popleft()  # read: from here on it is committed
+        keep = [i for i, r in enumerate(chunk) if not r.finished]
+        for req in chunk:
+            if req.finished and self._running.get(req.row) is req:
+                self._release(req)
+        held = {id(r) for later, _ in self._inflight for r in later}
+        self.stats.rounds += int(bool(keep))
+        self._commit_round([chunk[i] for i in keep], RoundResult(
+            [res.accept_lens[i] for i in keep], [res.preds[i] for i in keep],
+            [res.drafts[i] for i in keep]), held)
+
+    def _round_in_step(self, active: list[Request]) -> None:
+        """Run every chunk, then commit the ones that read back (host only)."""
+        slots, lengths = self._announce(active)
+        if slots is None:
+            return
+        done, start = [], 0
+        for size, bucket in self.runner.plan(len(active)):
+            chunk, part = active[start:start + size], slice(start, start + size)
+            start += size
+            try:
+                res = self.runner.run_chunk(slots[part], lengths[part], bucket)
+            except Exception as exc:
+                self._unit_failed(chunk, active, exc)
+                if self.tp.parallel:
+                    return
+                continue
+            done.append((chunk, res))
+        self.stats.rounds += int(bool(done))
+        for chunk, res in done:
+            for req in chunk:
+                req.copy ^= 1  # the round's next state is now the committed one
+            self._commit_round(chunk, res, set())
+
+    def _commit_round(self, chunk: list[Request], res: RoundResult, held: set[int]) -> None:
+        """Count and commit one chunk's round; a request in ``held`` (by id: it is in
+        the round in flight) keeps its row when it finishes, until that round is read."""
+        if not chunk:
+            return
+        s, st, b = self.num_steps, self.stats, len(chunk)
+        st.request_rounds += b
+        st.verify_forwards += 1
+        st.nextn_extend_forwards += int(s > 0)
+        st.nextn_decode_forwards += max(s - 1, 0)
+        st.proposed_drafts += b * s
+        st.accepted_drafts += sum(res.accept_lens) - b
+        for req, a, preds, drafts in zip(chunk, res.accept_lens, res.preds, res.drafts):
+            self._commit(req, preds[:a], drafts, hold=id(req) in held)
+
+    # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
+    @torch.no_grad()
+    def follow_admit(self, rows: list[int], prompts: list[list[int]]) -> None:
+        self._prefill_rows(rows, prompts)
+
+    @torch.no_grad()
+    def follow_round(self, slots: list[int], lengths: list[int]) -> None:
+        """Rank 0's round, chunk for chunk, without reading anything back."""
+        start = 0
+        for size, bucket in self.runner.plan(len(slots)):
+            self.runner.run_chunk(slots[start:start + size], lengths[start:start + size],
+                                  bucket, read=False)
+            start += size

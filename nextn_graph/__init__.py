@@ -12,13 +12,13 @@ The public API for embedding the engine in a server::
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, load_run_config
-from .errors import (CapacityError, CheckpointError, ConfigError, InputError,
-                     NextnGraphError, RequestFailed)
-from .graph.emulator import CaptureError
+from .errors import (CapacityError, CaptureError, CheckpointError, ConfigError, InputError,
+                     NextnGraphError, ParallelError, RequestFailed)
 from .runtime.engine import SpecEngine, StepOutput
 
 __all__ = [
     "SpecEngine", "StepOutput", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",
     "load_run_config", "load_checkpoint", "save_checkpoint", "NextnGraphError", "ConfigError",
     "CheckpointError", "InputError", "CapacityError", "CaptureError", "RequestFailed",
+    "ParallelError",
 ]

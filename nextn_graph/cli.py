@@ -23,7 +23,8 @@ from .checkpoint import (QUANTIZE, load_checkpoint, random_models, resolve_check
 from .config import (COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, WEIGHTS_MODES, RunConfig,
                      load_run_config)
 from .runtime.engine import SpecEngine
-from .train import TRAINED_PRESET, Corpus, TrainSettings, make_trained
+from .corpus import corpus
+from .train import TRAINED_PRESET, make_trained
 from .errors import ConfigError, InputError, NextnGraphError, show_value
 from .generate import plain_generate, reference_generate, validate_prompts
 from .parallel.follower import mirror, serve, shutdown
@@ -146,8 +147,8 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = load_run_config(None, checkpoint=args.checkpoint)  # the embedded default
     _pin_threads(args.threads, cfg.device)
     models = load_checkpoint(cfg.checkpoint)
-    corpus = Corpus(models.cfg.vocab_size, TrainSettings().phrases, torch.Generator().manual_seed(7))
-    prompts = [corpus.sample(n) for n in (12, 20, 28, 40)]
+    drawn = corpus(models.cfg.vocab_size, 7)
+    prompts = [drawn.sample(n) for n in (12, 20, 28, 40)]
     engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph)
     results = {"spec": engine.generate(prompts, args.max_new_tokens, stop_ids=[])}
     results.update({m: fn(models.target, prompts, args.max_new_tokens, stop_ids=set())

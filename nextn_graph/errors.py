@@ -37,6 +37,10 @@ class ParallelError(NextnGraphError):
     """A tensor-parallel launch or group failed: a rank died, timed out or disagreed."""
 
 
+class CaptureError(NextnGraphError):
+    """Something inside a captured region cannot live in a static graph."""
+
+
 class RequestFailed(NextnGraphError):
     """A fault inside a step (a kernel error, out of memory) failed these requests.
 

@@ -27,7 +27,7 @@ from nextn_graph.checkpoint import load_checkpoint  # noqa: E402
 from nextn_graph.config import SpeculativeConfig, load_run_config  # noqa: E402
 from nextn_graph.generate import plain_generate  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
-from nextn_graph.train import Corpus, TrainSettings  # noqa: E402
+from nextn_graph.corpus import corpus  # noqa: E402
 
 
 def _decode_rate(tokens: int, requests: int, seconds: float) -> float:
@@ -81,13 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)  # tiny widths: threads only add barrier waits
     run_cfg = load_run_config(args.config)
     models = load_checkpoint(run_cfg.checkpoint)
-    corpus = Corpus(models.cfg.vocab_size, TrainSettings().phrases,
-                    torch.Generator().manual_seed(11))
+    drawn = corpus(models.cfg.vocab_size, 11)
     rows = []
     print(f"{'batch':>5} {'S':>2} {'acc len':>7} {'strict':>6} {'round ms':>9} "
           f"{'plain ms':>9} {'spec tok/s':>10} {'plain tok/s':>11} {'speedup':>7}")
     for b in args.batch:
-        prompts = [corpus.sample(16 + 8 * i) for i in range(b)]
+        prompts = [drawn.sample(16 + 8 * i) for i in range(b)]
         for s in args.steps:
             r = bench_one(models, run_cfg, prompts, s, args.max_new_tokens, args.repeats)
             rows.append(r)

@@ -40,7 +40,7 @@ from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig  # noq
 from nextn_graph.generate import plain_generate, reference_generate  # noqa: E402
 from nextn_graph.presets import preset_config  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
-from nextn_graph.train import Corpus, TrainSettings  # noqa: E402
+from nextn_graph.corpus import corpus  # noqa: E402
 
 POOL = PoolConfig(5, 320)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -73,8 +73,7 @@ class Bf16Tally:
 def draw_prompt(rng: random.Random, vocab: int) -> list[int]:
     n = rng.randint(1, 150)
     if rng.random() < 0.6:  # in-distribution for the trained draft
-        corpus = Corpus(vocab, TrainSettings().phrases, torch.Generator().manual_seed(rng.randint(0, 999)))
-        return corpus.sample(n)
+        return corpus(vocab, rng.randint(0, 999)).sample(n)
     return [rng.randint(2, vocab - 1) for _ in range(n)]
 
 

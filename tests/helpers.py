@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 
 from nextn_graph.graph.updates import UpdateRegistry
-from nextn_graph.train import Corpus, TrainSettings
+from nextn_graph.corpus import corpus
 
 SEQLEN_NS, SEQLEN_OP = "nextn_test", "seqlen_sum"
 
 
 def corpus_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     """Prompts from the training corpus' generator (seed 0 = the training phrases)."""
-    corpus = Corpus(256, TrainSettings().phrases, torch.Generator().manual_seed(seed))
-    return [corpus.sample(n) for n in lengths]
+    drawn = corpus(256, seed)
+    return [drawn.sample(n) for n in lengths]
 
 
 def random_prompt(n: int, seed: int) -> list[int]:

@@ -11,17 +11,13 @@ import json
 
 import pytest
 
-from torch.profiler import ProfilerActivity
-
 from nextn_graph.bench import BenchSettings, run_bench
-from nextn_graph.bench.measure import bench_prompts, measure
 from nextn_graph.bench.report import MODES_HEADER, PLOTS, table
-from nextn_graph.bench.run import padding_waste
+from nextn_graph.bench.trace import TRACE_ROUNDS
 from nextn_graph.cli import main
-from nextn_graph.config import PoolConfig, SpeculativeConfig, load_run_config
-from nextn_graph.graph.counting import OUTSIDE_PHASES, ProfilerCounter
+from nextn_graph.config import load_run_config
+from nextn_graph.graph.counting import OUTSIDE_PHASES
 from nextn_graph.graph.runner import COUNTED_AS
-from nextn_graph.runtime.engine import SpecEngine
 
 SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)
 
@@ -156,8 +152,8 @@ def test_tpot_and_end_to_end(report):
 
 
 def test_mode_outputs(report):
-    """The table's mode columns, the Markdown's round-mode and cost-model sections, the
-    JSON's new keys and the round-modes plot."""
+    """The table's mode columns, the Markdown's round-mode, trace and cost-model sections,
+    the JSON's new keys and the round-modes and round-trace plots."""
     rep, _, out = report
     text = table(rep)
     assert all(h in text for h in MODES_HEADER)
@@ -171,6 +167,61 @@ def test_mode_outputs(report):
     assert {"round_modes", "fused_vs_split_latency", "overlap_vs_fused_latency", "e2e"} <= set(b)
     assert {"host_ms_median", "tpot_ms", "phase_times"} <= set(b["round_modes"]["split"])
     assert (out / "round_modes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the per-round trace: a summary line, a Markdown section, its JSON keys and a plot
+    assert ("fused + overlap: launch k+1 before read k, 1.00 overlapped per round" in text
+            and "fused: read k before launch k+1, 0.00 overlapped per round" in text)
+    assert "## Per-round trace" in md and "| 1 | fused + overlap | `L0 R-1 L1 R0" in md
+    for mode in ("fused", "overlap"):
+        assert set(b["round_trace"][mode]) == TRACE_KEYS
+        assert set(b["round_trace"][mode]["events"][0]) == {"event", "round", "start_ms",
+                                                            "end_ms"}
+    assert (out / "round_trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+TRACE_KEYS = {"rounds", "events", "read_wait_ms", "overlapped_rounds", "pairs",
+              "launch_before_prev_read", "read_before_next_launch", "repeats",
+              "read_wait_ms_median", "overlapped_per_round"}
+
+
+def _span(events: list[dict], kind: str, k: int) -> dict:
+    (e,) = [e for e in events if e["event"] == kind and e["round"] == k]
+    return e
+
+
+def test_round_trace_puts_the_read_off_the_critical_path(report):
+    """Issue 12, per bucket: the fused round traced over TRACE_ROUNDS steady rounds. With
+    overlap each step launches round k+1, then reads round k (launched one step before:
+    one overlapped round per round), so round k+1's launch starts before round k's read;
+    without, each step reads its own round (none overlapped), and round k's read ends
+    before round k+1's launch. Checked here from the events themselves."""
+    rep, _, _ = report
+    n = TRACE_ROUNDS
+    for b in rep["buckets"]:
+        t = b["round_trace"]
+        assert set(t) == {"fused", "overlap"} and t["overlap"]["repeats"] == 1
+        fused, overlap = t["fused"], t["overlap"]
+        assert overlap["overlapped_rounds"] == [1] * n and overlap["overlapped_per_round"] == 1
+        assert fused["overlapped_rounds"] == [0] * n and fused["overlapped_per_round"] == 0
+        assert [(e["event"], e["round"]) for e in overlap["events"]] == [
+            x for k in range(n) for x in (("launch", k), ("read", k - 1))]
+        assert [(e["event"], e["round"]) for e in fused["events"]] == [
+            x for k in range(n) for x in (("launch", k), ("read", k))]
+        for k in range(-1, n - 1):  # round k read, round k+1 launched, inside the window
+            launch = _span(overlap["events"], "launch", k + 1)
+            assert launch["start_ms"] < _span(overlap["events"], "read", k)["start_ms"]
+        for k in range(n - 1):
+            read = _span(fused["events"], "read", k)
+            assert read["end_ms"] <= _span(fused["events"], "launch", k + 1)["start_ms"]
+        assert overlap["launch_before_prev_read"] and not overlap["read_before_next_launch"]
+        assert fused["read_before_next_launch"] and not fused["launch_before_prev_read"]
+        assert (overlap["pairs"], fused["pairs"]) == (n, n - 1)
+        for trace in (fused, overlap):
+            assert trace["rounds"] == n and len(trace["read_wait_ms"]) == n
+            assert all(w >= 0 for w in trace["read_wait_ms"]) and trace["read_wait_ms_median"] >= 0
+            events = trace["events"]
+            assert events[0]["start_ms"] == 0
+            assert all(e["start_ms"] <= e["end_ms"] for e in events)
+            assert all(a["end_ms"] <= b["start_ms"] for a, b in zip(events, events[1:]))
 
 
 def test_capture_records_every_graph(report):
@@ -193,7 +244,7 @@ def test_capture_records_every_graph(report):
 
 
 def test_outputs_exist(report):
-    """JSON (with the keys the README promises), Markdown and three PNG plots."""
+    """JSON (with the keys the README promises), Markdown and every PNG plot."""
     rep, _, out = report
     data = json.loads((out / "bench.json").read_text())
     for b in data["buckets"]:
@@ -205,17 +256,9 @@ def test_outputs_exist(report):
     assert data["settings"]["backend"] == "cpu" and data["settings"]["torch"]
     assert data["kv_pool_mb"]["target"] > data["kv_pool_mb"]["draft"] > 0  # SWA-only draft
     assert "| bucket |" in (out / "bench.md").read_text()
-    assert "round_modes.png" in PLOTS
+    assert {"round_modes.png", "round_trace.png"} <= set(PLOTS)
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_padding_waste_policy():
-    """Padding per batch size follows the bucket policy, splitting above the largest."""
-    waste = padding_waste((1, 2, 4), 6)
-    rows = {r["batch"]: (r["padded_rows"], r["chunks"]) for r in waste["per_batch_size"]}
-    assert rows == {1: (0, 1), 2: (0, 1), 3: (1, 1), 4: (0, 1), 5: (0, 2), 6: (0, 2)}
-    assert waste["waste"] == pytest.approx(1 / 21)
 
 
 def test_bench_cli(tmp_path, capsys):
@@ -231,71 +274,8 @@ def test_bench_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["buckets"][0]["bucket"] == 1
 
 
-def test_eager_backend_report_is_honest(tmp_path):
-    """With --backend eager there are no graphs: no graph engines are run (a second eager
-    run gave a 1x 'submission ratio' and a graph/eager of noise), every graph figure is
-    null in the JSON, the table shows '-' in the graph columns and no padding waste (eager
-    never pads), and spec/plain is the eager speed-up."""
-    cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 128},
-                          graph={"backend": "eager", "buckets": [1, 2]})
-    rep = run_bench(cfg, "test", SMALL, tmp_path, progress=False)
-    data = json.loads((tmp_path / "bench.json").read_text())
-    assert data["settings"]["graphs"] is False and data["settings"]["backend"] == "eager"
-    assert data["capture"] is None and data["padding"] is None
-    for b in data["buckets"]:
-        assert b["graph"] is None and b["plain"]["graph"] is None
-        assert b["submission_ratio"] is None and b["latency_ratio"] is None
-        assert b["eager"]["submissions_per_round"] > 0 and b["plain"]["eager"]["round_ms_median"] > 0
-        sp = b["spec_vs_plain"]
-        assert sp["speedup"] == sp["speedup_eager"] > 0
-        assert 1.0 <= sp["acceptance_length"] <= 4
-        assert b["nextn_forwards_per_round"] == 3
-    assert data["kv_pool_mb"]["target"] > data["kv_pool_mb"]["draft"] > 0
-    text = table(rep)
-    assert "padding waste" not in text and "% of real rows" not in text
-    assert "graph columns -: the eager backend has no graphs" in text
-    for line in text.splitlines()[2:4]:  # the two bucket rows
-        cells = line.split()
-        assert cells[3:6] == ["-", "-", "-"] and cells[7:9] == ["-", "-"], line
-        assert cells[11:16] == ["-"] * len(MODES_HEADER), line  # no graph modes
-    md = (tmp_path / "bench.md").read_text()
-    assert "padding waste" not in md.lower() and "None: the eager backend has no graphs" in md
-    assert data["settings"]["round"] is None
-    for b in data["buckets"]:
-        assert b["round_modes"] == {"split": None, "fused": None, "overlap": None}
-        assert b["fused_vs_split_latency"] is None and b["overlap_vs_fused_latency"] is None
-        assert b["eager"]["phase_times"]["phase_ms"]  # eager phases are still timed
-        assert b["e2e"]["latency_ratio"] > 0  # eager spec vs eager plain
-    for name in PLOTS:
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_graph_backend_report_keeps_graph_figures(report):
     """The graph-backend report says it has graphs and prints its padding waste."""
     rep, _, _ = report
     assert rep["settings"]["graphs"] is True and rep["padding"]["waste"] >= 0
     assert "padding waste over batch sizes 1..2" in table(rep)
-
-
-def test_profiler_count_matches_dispatch_count(trained):
-    """The bench's profiler path (here with CPU activity: aten ops) counts an eager round
-    like the dispatch-mode count of the same round (identical start state, deterministic
-    ops) within 2%, never 0, and its phases add up to its total: one profiler per round.
-    Nested profilers, as the bench once had, gave phase counts and a round total of 0."""
-    eng = SpecEngine(trained.target, trained.draft,
-                     SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(2, 256))
-    prompts = bench_prompts(trained.cfg.vocab_size, 2, seed=11)
-    st = BenchSettings(warmup_rounds=0, timed_rounds=1, repeats=1)
-    dispatch = measure(eng, prompts, st)
-    profiler = measure(eng, prompts, st, counter=lambda device: ProfilerCounter(
-        ProfilerActivity.CPU))
-    assert dispatch["count_method"] == "kernel-launching aten ops"
-    assert profiler["count_method"] == "profiler aten ops (CPU)"
-    for run in (dispatch, profiler):
-        assert set(run["phase_launches"]) == {"rollout", "target_verify", "draft_extend"}
-        assert all(n > 0 for n in run["phase_launches"].values())
-        assert run["eager_launches"] == (sum(run["phase_launches"].values())
-                                         + run["outside_phase_launches"]) > 0
-    assert profiler["eager_launches"] == pytest.approx(dispatch["eager_launches"], rel=0.02)
-    for kind, n in dispatch["phase_launches"].items():
-        assert profiler["phase_launches"][kind] == pytest.approx(n, rel=0.02), kind

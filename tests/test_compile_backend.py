@@ -175,10 +175,12 @@ def test_compile_engine_equals_reference(trained):
 
 def _shipped_on_cpu(path: Path, **graph):
     """A shipped config's speculative settings, pool rows and graph set, on the CPU with the
-    tiny trained checkpoint (context 128) and the compile backend (aot_eager)."""
+    tiny trained checkpoint (context 128) and the compile backend (aot_eager); split
+    rounds, so each phase is a graph of its own (the graph counts below)."""
     return load_run_config(path, checkpoint="builtin:tiny-trained", dtype="fp32", device="cpu",
                            pool={"max_context": 128},
-                           graph={"backend": "compile", "compile_backend": "aot_eager", **graph})
+                           graph={"backend": "compile", "compile_backend": "aot_eager",
+                                  "round": "split", **graph})
 
 
 def _run_every_bucket(trained, cfg, expect_graphs: int) -> None:

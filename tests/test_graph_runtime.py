@@ -393,13 +393,15 @@ def test_kinds_switched_off_run_eagerly_and_are_counted(trained, kinds, replays,
 
 # -- 6. replay counts --------------------------------------------------------------------
 
-@pytest.mark.parametrize("num_steps,round_mode,replays,staging", [
-    (3, "split", 3, 1), (1, "split", 2, 1), (3, "fused", 1, 0), (1, "fused", 1, 0)])
-def test_steady_round_costs(trained, num_steps, round_mode, replays, staging):
+@pytest.mark.parametrize("num_steps,round_mode,overlap,replays,staging", [
+    (3, "split", "off", 3, 1), (1, "split", "off", 2, 1), (3, "fused", "off", 1, 0),
+    (1, "fused", "off", 1, 0), (3, "fused", "on", 1, 0)])
+def test_steady_round_costs(trained, num_steps, round_mode, overlap, replays, staging):
     """A steady 3-request round. Split: one replay per phase, 1 staging copy (the slots
     upload), 1 readback copy (the readout rows: accept_lens, preds, drafts), 0 updates,
-    1 pad. Fused: 1 replay, 0 staging (the round flipped the slots itself), 1 readback."""
-    eng = make_engine(trained, num_steps, graph=cpu_graphs(round=round_mode, overlap="off"))
+    1 pad. Fused: 1 replay, 0 staging (the round flipped the slots itself), 1 readback.
+    Overlapped: the same, and each round launched while the one before was unread."""
+    eng = make_engine(trained, num_steps, graph=cpu_graphs(round=round_mode, overlap=overlap))
     for p in corpus_prompts(50, [10, 20, 30]):
         eng.add_request(p, 40, stop_ids=[])
     eng.step()  # admission and the first round
@@ -411,7 +413,7 @@ def test_steady_round_costs(trained, num_steps, round_mode, replays, staging):
         assert delta == {"rounds": 1, "graph_replays": replays, "staging_copies": staging,
                          "readback_copies": 1, "graph_updates": 0, "eager_fallbacks": 0,
                          "bucket_splits": 0, "padded_rows": 1, "real_rows": 3,
-                         "graph_collectives": 0}
+                         "graph_collectives": 0, "overlapped_rounds": int(overlap == "on")}
     while eng.has_work:
         eng.step()
 

@@ -16,7 +16,8 @@ from ..graph.runner import plan_chunks
 from ..parallel.group import TPGroup
 from ..parallel.launch import load_on_ranks
 from ..progress import progress_bar
-from .measure import BenchSettings, bench_bucket, bench_prompts, build_engines
+from .engines import build_engines
+from .measure import BenchSettings, bench_bucket, bench_prompts
 from .report import check_outputs, write_outputs
 
 

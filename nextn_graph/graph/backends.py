@@ -18,12 +18,13 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
-from ..errors import ConfigError
+from ..config import GRAPH_BACKENDS
+from ..errors import CaptureError, ConfigError
 from . import compile as compile_mod
-from .emulator import CaptureError, CpuGraph
+from .emulator import CpuGraph
 from .updates import UpdateRegistry
 
-BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
+BACKENDS = GRAPH_BACKENDS  # the names, spelled once in config.py
 
 
 class Graph(Protocol):

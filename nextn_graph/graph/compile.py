@@ -45,7 +45,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from ..errors import ConfigError
-from .emulator import CaptureError
+from ..errors import CaptureError
 
 # What ``graph.compile_backend`` may name for the ``compile`` backend (CPU / CUDA) and for
 # ``torchair`` (Ascend); ``auto`` is resolved from the device (config.resolve) or, on

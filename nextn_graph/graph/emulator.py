@@ -31,15 +31,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import NextnGraphError
+from ..errors import CaptureError  # noqa: F401  (raised here; tests import it from here)
 from . import collectives
 from .steps import copy_into, fast_out_step, out_variant, precast_scalars, share_memory, tensors
 
 aten = torch.ops.aten
-
-
-class CaptureError(NextnGraphError):
-    """Something inside a captured region cannot live in a static graph."""
 
 
 # Host-sync tensor methods, caught at the Python level (they never reach aten on CPU).

@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from ..errors import ConfigError
-from .emulator import CaptureError
+from ..errors import CaptureError
 from .updates import UpdateRegistry
 
 def _import_torch_npu():

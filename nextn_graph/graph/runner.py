@@ -31,10 +31,11 @@ from typing import Callable, ContextManager, Protocol
 
 import torch
 
+from ..counters import Counters
 from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
-from .emulator import CaptureError
+from ..errors import CaptureError
 from .transfers import HostTransfers, PendingRead
 from .updates import UpdateContext, UpdateRegistry
 
@@ -52,6 +53,7 @@ class Phases(Protocol):
     bufs: "object"  # .slots [Bmax] staged request slots, .readout [Bmax, 1 + N + S]
     state: "object"  # .rows: pool rows R (slots are row + copy * R)
     num_steps: int
+    verify_width: int  # N
     fused: bool  # one kind; it flips the staged slots to the copies it wrote
 
     @property
@@ -63,7 +65,7 @@ class Phases(Protocol):
 
 
 @dataclass
-class ReplayCounters:
+class ReplayCounters(Counters):
     """Every device submission the runner issues (``SUBMISSIONS``), and the round shapes.
     The ops of a phase left eager are the bench's to count (``graph.counting``)."""
 
@@ -77,6 +79,8 @@ class ReplayCounters:
     eager_fallbacks: int = 0  # phases run eagerly on a graph backend (kind not captured)
     bucket_splits: int = 0  # rounds larger than the largest bucket, split in chunks
     padded_rows: int = 0  # padding requests replayed alongside real ones
+    # rounds launched while an earlier round was still unread (graph.overlap)
+    overlapped_rounds: int = 0
     # collectives inside the replayed graphs (tensor parallelism): not submissions of
     # their own, each is part of its graph's replay
     graph_collectives: int = 0
@@ -138,6 +142,7 @@ class RoundRunner:
     # host seconds spent inside graph replay calls (the rest of a round is host work:
     # staging, readback, updates, eager phases, the engine's bookkeeping)
     replay_s: float = 0.0
+    read_wait_s: float = 0.0  # host seconds waiting for readbacks (the copy and its event)
     # when a list: one {"event": "launch" | "read", "start", "end"} per chunk half
     # (perf_counter seconds), for the bench's per-round trace
     trace: list | None = None
@@ -247,7 +252,8 @@ class RoundRunner:
         """Wait for a launched chunk's readback (its one host sync) -> what it decided."""
         start = time.perf_counter()
         host = self._host.finish_read(pending.read)  # [b, 1 + N + S] flat
-        n, w = self.num_steps + 1, self.phases.bufs.readout.shape[1]
+        self.read_wait_s += time.perf_counter() - start
+        n, w = self.phases.verify_width, self.phases.bufs.readout.shape[1]
         rows = [host[i * w:(i + 1) * w] for i in range(pending.rows)]
         self._record("read", start)
         return RoundResult([r[0] for r in rows], [r[1:1 + n] for r in rows],
@@ -268,7 +274,8 @@ class RoundRunner:
         if graph.update_ops:
             pad = (0,) * (bucket - b)
             rows = tuple(s % self.phases.state.rows for s in slots)  # pool rows of the slots
-            ctx = UpdateContext(bucket, self.num_steps + 1, rows + pad, tuple(lengths) + pad)
+            ctx = UpdateContext(bucket, self.phases.verify_width, rows + pad,
+                                tuple(lengths) + pad)
             update = self.updates.derive(graph.update_ops, ctx)
             c.graph_updates += len(update)  # the NPU graph updates one task per op
         issued = self._issued()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import show_value
-from .emulator import CaptureError
+from ..errors import CaptureError
 
 
 @dataclass(frozen=True)

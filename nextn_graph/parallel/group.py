@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..counters import Counters
 from ..errors import ConfigError, ParallelError
 from .control import Channel
 
@@ -26,7 +27,7 @@ _functional = torch.ops._c10d_functional
 
 
 @dataclass
-class CollectiveCounts:
+class CollectiveCounts(Counters):
     """Collectives this rank issued from Python: eagerly, or once while capturing a graph
     (a replay re-issues a graph's collectives without Python: the runner adds those)."""
 

@@ -62,6 +62,7 @@ class RoundDriver:
             return self._unit_failed(live, live, exc)
         for req in live:
             req.copy ^= 1  # the device state moves on with the round in flight
+        self.runner.counters.overlapped_rounds += int(bool(self._inflight))
         self._inflight.append((live, pending))
         while len(self._inflight) > 1:
             self._finish_oldest()

@@ -79,7 +79,7 @@ class SpecEngine(RoundDriver):
             spec = resolve_speculative(check_section(spec, where, "speculative."), where)
         self.cfg, self.spec = target.cfg, spec
         self.num_steps = spec.num_steps if spec is not None else 0
-        width = self.num_steps + 1
+        self.verify_width = width = spec.verify_width if spec is not None else 1
         pool = check_section(pool, where, "pool.")
         check_pool(pool, width, where)
         graph = resolve_graph(check_section(graph or GraphConfig(backend="eager"), where,
@@ -169,7 +169,7 @@ class SpecEngine(RoundDriver):
     def lookahead(self) -> int:
         """Positions a verify window writes past a request's last output: S - 1, and N
         more with overlap (the round launched before the request's end was read)."""
-        extra = self.num_steps + 1 if self._overlap else 0  # a finished request's extra round
+        extra = self.verify_width if self._overlap else 0  # a finished request's extra round
         return max(self.num_steps - 1, 0) + extra
 
     @property
@@ -305,8 +305,7 @@ class SpecEngine(RoundDriver):
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
         validate_stop_ids(stop_ids, self.cfg, "generate")
         start = time.perf_counter()
-        before = SpecStats(**vars(self.stats))
-        replays_before = self.runner.counters.as_dict()
+        before, counters_before = self.stats.snapshot(), self.runner.counters.snapshot()
         rids = [self.add_request(p, max_new_tokens, stop_ids) for p in prompts]
         index = {rid: i for i, rid in enumerate(rids)}
         outputs: list[list[int]] = [[] for _ in rids]
@@ -316,10 +315,9 @@ class SpecEngine(RoundDriver):
                 outputs[index[out.rid]].extend(out.new_tokens)
                 if out.error is not None:
                     errors[index[out.rid]] = out.error
-        stats = SpecStats(**{k: v - getattr(before, k) for k, v in vars(self.stats).items()})
-        stats.verify_width = self.num_steps + 1
+        stats = self.stats.since(before)
         wall = time.perf_counter() - start
-        replays = {k: v - replays_before[k] for k, v in self.runner.counters.as_dict().items()
+        replays = {k: v for k, v in self.runner.counters.since(counters_before).as_dict().items()
                    if k not in ("rounds", "real_rows")}
         extra = {"mode": "spec" if self.num_steps else "plain", "num_steps": self.num_steps,
                  "backend": self.runner.backend.name, "wall_s": round(wall, 4),

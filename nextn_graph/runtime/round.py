@@ -34,6 +34,11 @@ class RoundPhases:
     fused: bool = False
 
     @property
+    def verify_width(self) -> int:
+        """N, the verify window: the buffers' (allocated for ``num_steps``)."""
+        return self.bufs.preds.shape[1]
+
+    @property
     def phase_kinds(self) -> tuple[str, ...]:
         """The phases of a round, in order (no rollout below 2 steps, no draft at 0)."""
         return tuple(k for k in GRAPH_KINDS if k != "rollout" or self.num_steps > 1
@@ -87,12 +92,12 @@ class RoundPhases:
             self.state.lengths.index_put_((nxt,), lengths + 1)
             self.state.bonus.index_put_((nxt,), preds[:, 0])
         else:  # the draft extend pairs each window row with its hidden
-            self.bufs.hidden[: b * (self.num_steps + 1)].copy_(hidden)
+            self.bufs.hidden[: b * self.verify_width].copy_(hidden)
 
     def draft_extend(self, b: int) -> None:
         """Accept, draft extend with ``select_index``; the next state goes to the other copy."""
         slots, rows = self._staged(b)
-        n = self.num_steps + 1
+        n = self.verify_width
         lengths = self.state.gather(slots)[0]
         preds = self.bufs.preds[:b]
         accept_lens, bonus = phases.accept(self.bufs.draft_tokens[:b], preds)

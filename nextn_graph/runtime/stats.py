@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..counters import Counters
+
 
 @dataclass
-class SpecStats:
+class SpecStats(Counters):
+    KEEP = ("verify_width",)
+
     rounds: int = 0  # decode rounds (each: rollout, verify, accept, draft extend)
     request_rounds: int = 0  # sum over rounds of the requests in it
     prefill_forwards: int = 0  # target forwards over prompts

@@ -1,0 +1,55 @@
+"""Observing a round phase by phase: its launches (``count_round``) and its time
+(``PhaseTimer``), both through the runner's tracer hook (``runner.tracer``)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+from typing import Callable
+
+import torch
+
+from ..graph.counting import OUTSIDE_PHASES, RoundCounter
+
+
+def count_round(runner, step: Callable[[], object], counter: RoundCounter,
+                trace_replays: bool = False) -> dict:
+    """Run ``step`` (one round) under ``counter``, the round's only counter: every
+    submission, split by the phases that ran eagerly (a replayed phase is one submission,
+    the runner's to count) and ``OUTSIDE_PHASES`` for the rest (staging, readback).
+    ``trace_replays``: replays are phases too (a compiled graph's call is many launches)."""
+    def tracer(kind: str, replayed: bool):
+        return nullcontext() if replayed and not trace_replays else counter.phase(kind)
+
+    runner.tracer = tracer
+    try:
+        with counter:
+            step()
+    finally:
+        runner.tracer = None
+    per_phase = dict(counter.per_phase)
+    return {"launches": counter.launches, "method": counter.method,
+            "outside_phases": per_phase.pop(OUTSIDE_PHASES, 0), "phases": per_phase}
+
+
+class PhaseTimer:
+    """A runner tracer (``runner.tracer``): host seconds per phase kind of the rounds it
+    watches. On CPU every kernel has run when a phase returns; on a device a phase's
+    time would be its launch time only, so there each phase starts and ends with a device
+    sync (staging before it and its kernels inside it), which is why the bench times
+    phases in rounds of their own, never in the timed ones."""
+
+    def __init__(self, device: torch.device):
+        self.seconds: Counter[str] = Counter()  # by phase kind, in round order
+        self.synchronized = device.type != "cpu"
+        module = torch.get_device_module(device) if self.synchronized else None
+        self._sync = (lambda: module.synchronize(device)) if module else (lambda: None)
+
+    @contextmanager
+    def __call__(self, kind: str, replayed: bool):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[kind] += time.perf_counter() - start

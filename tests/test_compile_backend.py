@@ -173,6 +173,22 @@ def test_compile_engine_equals_reference(trained):
     assert torch._dynamo.utils.get_static_address_type(kv) == "unguarded"
 
 
+def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
+    """graph.round fused on the compile backend (aot_eager): one compiled graph for the
+    whole round (its in-place slot flip included), overlapped rounds, tokens equal to
+    the oracle, and a steady batch staged once."""
+    spec, pool = SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(4, 128)
+    backend = make_backend("compile", compile_backend="aot_eager")
+    engine = SpecEngine(trained.target, trained.draft, spec, pool,
+                        GraphConfig(backend="compile", buckets=(4,)), backend=backend)
+    assert list(engine.runner.graphs) == [("round", 4)] and backend.captured == 1
+    res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
+    ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
+    assert res.outputs == ref.outputs
+    assert res.stats["staging_copies"] < res.stats["graph_replays"]
+    assert engine.runner.counters.overlapped_rounds > 0
+
+
 def _shipped_on_cpu(path: Path, **graph):
     """A shipped config's speculative settings, pool rows and graph set, on the CPU with the
     tiny trained checkpoint (context 128) and the compile backend (aot_eager); split

@@ -19,7 +19,6 @@ import torch
 from nextn_graph.checkpoint import load_checkpoint, random_models
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import ParallelError
-from nextn_graph.generate import reference_generate
 from nextn_graph.model.config import config_from_dict
 from nextn_graph.parallel.follower import mirror, serve, shutdown
 from nextn_graph.parallel.group import TPGroup

@@ -40,6 +40,8 @@ class HostTransfers:
         self._next = 0
         self._device = device
         self._module = torch.get_device_module(device) if device.type != "cpu" else None
+        # one event per host buffer, made once (no event object per round)
+        self._events = [self._module.Event() for _ in range(2)] if self._module else [None] * 2
         self._uploads = 0  # uploads enqueued so far
         self._uploading = False  # an upload that no finished read has waited for yet
 
@@ -64,9 +66,8 @@ class HostTransfers:
         i, size = self._next, rows.numel()
         self._next ^= 1
         self.out[i][:size].view(rows.shape).copy_(rows, non_blocking=True)
-        event = None
-        if self._module is not None:
-            event = self._module.Event()
+        event = self._events[i]
+        if event is not None:
             event.record()
         return PendingRead(i, size, event, self._uploads)
 

@@ -25,7 +25,7 @@ import collections
 
 import torch
 
-from ..graph.runner import PendingChunk, RoundResult, plan_chunks
+from ..graph.runner import RoundResult, plan_chunks
 from .request import Request
 
 
@@ -97,18 +97,16 @@ class RoundDriver:
         chunk, pending = self._inflight[0]
         try:
             res = self.runner.finish_chunk(pending)
-        except Exception as exc:
-            self._inflight.popleft()
-            alive = [r for r in chunk if not r.finished]
-            for req in chunk:  # their extra round's rows go back too
-                if req.finished and self._running.get(req.row) is req:
-                    self._release(req)
-            return self._unit_failed(alive, alive, exc)
-        self._inflight.popleft()  # read: from here on it is committed
-        keep = [i for i, r in enumerate(chunk) if not r.finished]
-        for req in chunk:
+        except Exception as exc:  # (an interrupt leaves the round queued, to read again)
+            res = exc
+        self._inflight.popleft()  # read, or failed for good: this round is over
+        for req in chunk:  # a request that finished before it: its extra round's row
             if req.finished and self._running.get(req.row) is req:
                 self._release(req)
+        if isinstance(res, Exception):
+            alive = [r for r in chunk if not r.finished]
+            return self._unit_failed(alive, alive, res)
+        keep = [i for i, r in enumerate(chunk) if not r.finished]
         held = {id(r) for later, _ in self._inflight for r in later}
         self.stats.rounds += int(bool(keep))
         self._commit_round([chunk[i] for i in keep], RoundResult(

@@ -4,7 +4,8 @@ The public API for embedding the engine in a server::
 
     from nextn_graph import SpecEngine, load_run_config
     engine = SpecEngine.from_config(load_run_config("capture_configs/cpu_default.yaml"))
-    rid = engine.add_request(prompt_ids, max_new_tokens=64)
+    rid = engine.add_request(prompt_ids, max_new_tokens=64)  # greedy
+    rid = engine.add_request(prompt_ids, 64, sampling=SamplingParams(temperature=0.8, seed=7))
     while engine.has_work:
         for out in engine.step():  # StepOutput(rid, new_tokens, finished, draft_tokens, error)
             ...
@@ -15,9 +16,10 @@ from .config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, load_
 from .errors import (CapacityError, CaptureError, CheckpointError, ConfigError, InputError,
                      NextnGraphError, ParallelError, RequestFailed)
 from .runtime.engine import SpecEngine, StepOutput
+from .runtime.sampling import SamplingParams
 
 __all__ = [
-    "SpecEngine", "StepOutput", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",
+    "SpecEngine", "StepOutput", "SamplingParams", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",
     "load_run_config", "load_checkpoint", "save_checkpoint", "NextnGraphError", "ConfigError",
     "CheckpointError", "InputError", "CapacityError", "CaptureError", "RequestFailed",
     "ParallelError",

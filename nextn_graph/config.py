@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in rou
 # needs no staging). auto: fused where every phase is captured, else split.
 ROUND_MODES = ("auto", "split", "fused")
 FUSED_KIND = "round"  # the kind (graph name) of the fused round
+SAMPLING_SUFFIX = "+sampling"  # a kind's sampling variant (graph name KIND+sampling)
 OVERLAP_MODES = ("auto", "on", "off")
 # What torch.compile hands each graph to, for graph backends compile and torchair (others
 # ignore it). compile: inductor | aot_eager anywhere, reduce-overhead (inductor in CUDA graphs)
@@ -76,6 +78,10 @@ class GraphConfig:
     # Launch round k+1 before reading round k's tokens back (fused rounds only; stop and
     # length cuts land one round late). auto: on where it can work, off on Ascend.
     overlap: str = "auto"  # auto | on | off
+    # Requests may sample (temperature > 0): the engine keeps sampling tables and captures
+    # each kind's sampling variant too. false: greedy only (half the graphs and no q
+    # tables), and a sampling request is refused at add_request.
+    sampling: bool = True
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,9 @@ class BenchConfig:
     # Also bench backend compile with this compile_backend, beside the config's graphs:
     # the peer a user would pick instead of hand-captured graphs. none | COMPILE_BACKENDS
     compile_peer: str = "none"
+    # End to end, spec vs plain, also with every request sampling at this temperature
+    # (seed = request index), next to greedy. 0: greedy only (no sampled runs).
+    temperature: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -123,7 +132,7 @@ _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
             "overlap": OVERLAP_MODES}
 
 
-_NAMES = {int: "an integer", str: "a string", bool: "true or false"}
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 # Eager runs of each phase before its capture: a handful settles lazy init and
 # allocator caches; the count is a loop over full forwards at start-up, so an absurd
 # value (1e8) would hang start-up instead of failing.
@@ -133,6 +142,8 @@ MAX_WARMUP = 100
 def _is(value: Any, kind: type) -> bool:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:  # a whole number (temperature: 1) reads as an int
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 
@@ -225,7 +236,17 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
                           f"{needs!r}, but key 'device' is {cfg.device!r}")
     graph = resolve_compile(graph, cfg.device, where)
     check_parallel(cfg.parallel, where)
-    return dataclasses.replace(cfg, speculative=spec, graph=graph)
+    return dataclasses.replace(cfg, speculative=spec, graph=graph,
+                               bench=resolve_bench(cfg.bench, where))
+
+
+def resolve_bench(bench: BenchConfig, where: str) -> BenchConfig:
+    """A finite temperature >= 0, as a float. graph.sampling is checked by the bench."""
+    t = bench.temperature
+    if not (math.isfinite(t) and t >= 0):
+        raise ConfigError(f"{where}: key 'bench.temperature' must be a finite number >= 0 "
+                          f"(0 = greedy only), got {show_value(t)}")
+    return dataclasses.replace(bench, temperature=float(t))
 
 
 def check_parallel(par: ParallelConfig, where: str) -> None:

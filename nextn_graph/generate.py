@@ -1,9 +1,14 @@
-"""Greedy decoding without speculation: the oracle (full recompute) and plain cached.
+"""Decoding without speculation: the oracle (full recompute) and plain cached.
 
 ``reference_generate`` recomputes the whole sequence for every token with no
 cache at all; it is the ground truth every other mode must equal token for
 token. ``plain_generate`` batches all requests against the KV pool: one prefill
 forward, then one forward per step with one row per active request.
+
+Both decode greedily, or sample (``sampling``) with the same keyed uniforms as
+the engine's plain rounds: the token at position x is drawn from the filtered
+target distribution with the uniform of (seed, x - 1, 1, TARGET), so a seeded
+request gives the same tokens here and in a plain engine, eager or in graphs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .errors import InputError, show_value
 from .memory.batch import Chunk, ForwardBatch
 from .memory.pool import PoolLayout
 from .model import DeepseekV4ForCausalLM, ModelConfig
+from .runtime.sampling import RowParams, SamplingParams, sampling_per_prompt
 
 
 @dataclass
@@ -140,6 +146,15 @@ def _finished(out: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> 
     return len(out) >= max_new_tokens or (bool(out) and out[-1] in stop_ids)
 
 
+def _sampler(logits: torch.Tensor, params: list[SamplingParams], base: list[int]) -> list[int]:
+    """logits [B, V] of the next token of B requests at committed lengths ``base``
+    -> each request's token: its argmax (greedy) or its keyed draw."""
+    if all(p.greedy for p in params):
+        return logits.argmax(-1).tolist()
+    rows = RowParams.of(params, logits.device)
+    return rows.next_token(rows.probs(logits), torch.tensor(base, device=logits.device)).tolist()
+
+
 def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
              stop_ids: Collection[int] | None, max_context: int | None, mode: str):
     """Defaults resolved once: context from the model, stop at EOS unless told."""
@@ -157,17 +172,20 @@ def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
 @torch.no_grad()
 def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, stop_ids: Collection[int] | None = None,
-                       max_context: int | None = None) -> GenerateResult:
+                       max_context: int | None = None, sampling: object = None) -> GenerateResult:
+    """``sampling``: None (greedy), one setting for all prompts, or one per prompt; a
+    seed left None is drawn here (give seeds to mirror this on tensor-parallel ranks)."""
     prompts, stop_ids, max_context, max_new_tokens = _prepare(
         target, prompts, max_new_tokens, stop_ids, max_context, "reference_generate")
+    params = sampling_per_prompt(sampling, len(prompts))
     device = target.embed.weight.device
     start, forwards, outputs = time.perf_counter(), 0, []
-    for prompt in prompts:
+    for prompt, param in zip(prompts, params):
         seq, out = list(prompt), []
         while not _finished(out, stop_ids, max_new_tokens):
             logits = target.reference(torch.tensor(seq, device=device)).logits  # [S, V]
             forwards += 1
-            out.append(int(logits[-1].argmax()))
+            out.extend(_sampler(logits[-1:], [param], [len(seq) - 1]))
             seq.append(out[-1])
         outputs.append(out)
     return GenerateResult(outputs, _stats("reference", prompts, outputs, forwards, start))
@@ -176,9 +194,11 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
 @torch.no_grad()
 def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, stop_ids: Collection[int] | None = None,
-                   max_context: int | None = None) -> GenerateResult:
+                   max_context: int | None = None, sampling: object = None) -> GenerateResult:
+    """``sampling`` as ``reference_generate``'s."""
     prompts, stop_ids, max_context, max_new_tokens = _prepare(
         target, prompts, max_new_tokens, stop_ids, max_context, "plain_generate")
+    params = sampling_per_prompt(sampling, len(prompts))
     if not prompts:  # nothing to decode: no pool of zero requests
         return GenerateResult([], _stats("plain", [], [], 0, time.perf_counter()))
     device = target.embed.weight.device
@@ -189,7 +209,7 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
         [Chunk(r, 0, p) for r, p in zip(rows, prompts)], device=device)
     logits = target(batch, pool).logits  # [sum(prompt lens), V]
     last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
-    nxt = logits[last].argmax(-1).tolist()
+    nxt = _sampler(logits[last], params, [len(p) - 1 for p in prompts])
     outputs: list[list[int]] = [[t] for t in nxt]
     forwards, steps, decode_start = 1, 0, time.perf_counter()
     while True:
@@ -199,7 +219,9 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
         batch = ForwardBatch.from_chunks(
             [Chunk(rows[i], len(prompts[i]) + len(outputs[i]) - 1, [outputs[i][-1]])
              for i in active], device=device)
-        nxt = target(batch, pool).logits.argmax(-1).tolist()  # one row per active request
+        logits = target(batch, pool).logits  # [active, V]: one row per active request
+        nxt = _sampler(logits, [params[i] for i in active],
+                       [len(prompts[i]) + len(outputs[i]) - 1 for i in active])
         forwards, steps = forwards + 1, steps + 1
         for i, tok in zip(active, nxt):
             outputs[i].append(tok)

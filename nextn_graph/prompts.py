@@ -1,29 +1,36 @@
 """Prompts as ``generate`` takes them: JSONL lines of token ids or text, or ``--prompt``.
 
-Each line is ``{"input_ids": [int, ...]}`` or ``{"text": "..."}``, nothing else;
-text goes through the checkpoint's tokenizer. Errors name the file and line.
+Each line is ``{"input_ids": [int, ...]}`` or ``{"text": "..."}``, optionally with
+that request's own sampling keys (``temperature``, ``top_p``, ``top_k``, ``seed``,
+as ``SamplingParams`` spells them), which override the command's options for it:
+``{"text": "hi", "temperature": 0.8, "seed": 7}``. Nothing else: other per-request
+settings (``max_new_tokens``, ``stop_ids``) are command options. Text goes through
+the checkpoint's tokenizer. Errors name the file, line and key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .errors import InputError, show_value
+from .runtime.sampling import KEYS as SAMPLING_KEYS, SamplingParams
 from .textfile import parse_json, read_text
 from .tokenizer import TOKENIZER_FILE, CheckpointTokenizer
 
-PROMPT_KEYS = ("input_ids", "text")  # per-request settings are command options, not keys
+PROMPT_KEYS = ("input_ids", "text")  # exactly one per line
 PROMPT_FORMS = '{"input_ids": [int, ...]} or {"text": "..."}'
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One request as given: token ids, or text for the checkpoint's tokenizer."""
+    """One request as given: token ids, or text for the checkpoint's tokenizer, and
+    the sampling keys its line set (checked; the command's options fill the rest)."""
 
     where: str  # "FILE:LINE" or "--prompt #N", for error messages
     value: list[int] | str
+    sampling: dict = field(default_factory=dict)  # a subset of SAMPLING_KEYS -> value
 
 
 def _unique_keys(where: str) -> Callable[[list], dict]:
@@ -39,15 +46,8 @@ def _unique_keys(where: str) -> Callable[[list], dict]:
     return hook
 
 
-def _prompt_value(row: object, where: str) -> list[int] | str:
-    """The ids or text of one parsed line: exactly one of the two keys, nothing else."""
-    if not isinstance(row, dict):
-        raise InputError(f"{where}: expected {PROMPT_FORMS}")
-    unknown = [k for k in row if k not in PROMPT_KEYS]
-    if unknown:
-        raise InputError(f"{where}: unknown key {show_value(unknown[0])} (each line is "
-                         f"{PROMPT_FORMS} only; per-request settings such as "
-                         f"max_new_tokens are command options)")
+def _prompt_value(row: dict, where: str) -> list[int] | str:
+    """The ids or text of one parsed line's prompt keys: exactly one of the two."""
     if len(row) != 1:
         raise InputError(f"{where}: expected {PROMPT_FORMS}"
                          + (", not both" if row else ""))
@@ -63,10 +63,32 @@ def _prompt_value(row: object, where: str) -> list[int] | str:
     return ids
 
 
+def _line_sampling(row: dict, where: str) -> dict:
+    """The sampling keys of one line, each checked as ``SamplingParams`` checks it (the
+    error names FILE:LINE and the key); the keys not given are left to the command."""
+    checked = SamplingParams(**row).checked(where)
+    return {key: getattr(checked, key) for key in row}
+
+
+def _parse_line(row: object, where: str) -> Prompt:
+    """One parsed line -> its prompt: one prompt key, any sampling keys, nothing else."""
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected {PROMPT_FORMS}")
+    unknown = [k for k in row if k not in PROMPT_KEYS + SAMPLING_KEYS]
+    if unknown:
+        raise InputError(f"{where}: unknown key {show_value(unknown[0])} (a line holds "
+                         f"{PROMPT_FORMS}, optionally with sampling keys "
+                         f"{', '.join(SAMPLING_KEYS)}; other per-request settings such as "
+                         f"max_new_tokens are command options)")
+    value = _prompt_value({k: v for k, v in row.items() if k in PROMPT_KEYS}, where)
+    sampling = _line_sampling({k: v for k, v in row.items() if k in SAMPLING_KEYS}, where)
+    return Prompt(where, value, sampling)
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """JSONL, one ``{"input_ids": [...]}`` or ``{"text": "..."}`` per line; blank lines
-    are skipped. Any other key (``max_new_tokens``, ``stop_ids``) is refused rather than
-    silently ignored."""
+    """JSONL, one ``{"input_ids": [...]}`` or ``{"text": "..."}`` per line, optionally
+    with sampling keys; blank lines are skipped. Any other key (``max_new_tokens``,
+    ``stop_ids``) is refused rather than silently ignored."""
     path = Path(path)
     text = read_text(path, "prompts file", InputError)
     prompts = []
@@ -75,7 +97,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             continue
         where = f"{path}:{number}"
         row = parse_json(line, where, InputError, _unique_keys(where))
-        prompts.append(Prompt(where, _prompt_value(row, where)))
+        prompts.append(_parse_line(row, where))
     if not prompts:
         raise InputError(f"{path}: no prompts")
     return prompts

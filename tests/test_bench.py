@@ -8,6 +8,7 @@ per round = the captured kinds), and that every promised output exists.
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -151,6 +152,47 @@ def test_tpot_and_end_to_end(report):
     assert rep["spec_vs_plain"]["e2e_latency_ratio"] > 0
 
 
+def test_greedy_vs_sampling_end_to_end(report):
+    """bench.temperature (default 0.8): per bucket the end-to-end pair runs greedy (`e2e`)
+    and with every request sampling (`e2e_sampled`, in the sampling graph variants only);
+    each has an acceptance length in [1, N] (1 + S x the strict acceptance rate: S drafts
+    proposed per request-round) and positive spec/plain ratios; the top-level `sampling`
+    summarises both over buckets; the table, Markdown and JSON show them."""
+    rep, steps, out = report
+    for b in rep["buckets"]:
+        greedy, sampled = b["e2e"], b["e2e_sampled"]
+        assert (greedy["temperature"], sampled["temperature"]) == (0.0, 0.8)
+        assert greedy["sampled_rounds"] == {"spec": 0, "plain": 0}
+        assert sampled["sampled_rounds"]["spec"] > 0 and sampled["sampled_rounds"]["plain"] > 0
+        for e in (greedy, sampled):
+            assert e["requests"] == b["bucket"] and e["max_new_tokens"] == 32
+            assert 1.0 <= e["acceptance_length"] <= steps + 1
+            assert e["acceptance_length"] == pytest.approx(1 + steps * e["draft_acceptance_rate"])
+            assert e["latency_ratio"] > 0 and e["throughput_ratio"] > 0
+            assert e["latency_ratio"] == pytest.approx(
+                e["spec"]["latency_ms_median"] / e["plain"]["latency_ms_median"])
+    smp = rep["sampling"]
+    assert (smp["temperature"], smp["top_p"], smp["top_k"]) == (0.8, 1.0, 0)
+    for side, key in (("greedy", "e2e"), ("sampled", "e2e_sampled")):
+        runs = [b[key] for b in rep["buckets"]]
+        assert smp[side]["acceptance_length"] == pytest.approx(
+            statistics.mean(r["acceptance_length"] for r in runs))
+        assert smp[side]["latency_ratio"] == pytest.approx(
+            statistics.geometric_mean(r["latency_ratio"] for r in runs))
+        assert smp[side]["throughput_ratio"] > 0
+    g, s = smp["greedy"], smp["sampled"]
+    assert (f"greedy vs sampling at temperature 0.8 (seed = request index), end to end: "
+            f"acceptance length {g['acceptance_length']:.2f} vs "
+            f"{s['acceptance_length']:.2f}") in table(rep)
+    md = (out / "bench.md").read_text()
+    assert "## Greedy vs sampling" in md and "`e2e_sampled`" in md
+    b = rep["buckets"][0]
+    assert (f"| {b['bucket']} | {b['e2e']['acceptance_length']:.2f} | "
+            f"{b['e2e_sampled']['acceptance_length']:.2f} |") in md
+    data = json.loads((out / "bench.json").read_text())
+    assert data["sampling"] == smp and data["buckets"][0]["e2e_sampled"] == b["e2e_sampled"]
+
+
 def test_mode_outputs(report):
     """The table's mode columns, the Markdown's round-mode, trace and cost-model sections,
     the JSON's new keys and the round-modes and round-trace plots."""
@@ -225,22 +267,22 @@ def test_round_trace_puts_the_read_off_the_critical_path(report):
 
 
 def test_capture_records_every_graph(report):
-    """One capture record per (kind, bucket), largest bucket first, with time and memory:
-    the config's engines capture one fused round per bucket, the split engine one graph
-    per phase and bucket, the overlap engine one fused round per bucket."""
+    """One capture record per (kind, bucket), largest bucket first, with time and memory,
+    the config's engines (which also run the sampled end-to-end pair) capture one fused
+    round and its sampling variant per bucket, the greedy-only split engine one graph per
+    phase and bucket, the greedy-only overlap engine one fused round per bucket."""
     rep, steps, _ = report
-    kinds = 3 if steps > 1 else 2
+    phases = ["rollout", "target_verify", "draft_extend"][(steps == 1):]
+    rounds = ["round", "round+sampling"]
     cap = rep["capture"]
     recs = cap["records"]
-    assert [(r["kind"], r["bucket"]) for r in recs] == [("round", 2), ("round", 1)]
+    assert [(r["kind"], r["bucket"]) for r in recs] == [(k, b) for b in (2, 1) for k in rounds]
     assert all(r["seconds"] > 0 and r["nbytes"] > 0 and r["ops"] > 0 for r in recs)
     assert cap["total_s"] == pytest.approx(sum(r["seconds"] for r in recs))
-    assert len(cap["plain_records"]) == 2  # plain decoding: one round per bucket
-    split = cap["split_records"]
-    assert [r["bucket"] for r in split] == [2] * kinds + [1] * kinds
-    assert {r["kind"] for r in split} == {"rollout", "target_verify", "draft_extend"} - (
-        set() if steps > 1 else {"rollout"})
-    assert [r["kind"] for r in cap["overlap_records"]] == ["round", "round"]
+    assert len(cap["plain_records"]) == 4  # plain decoding: one round (and variant) per bucket
+    split = [(r["kind"], r["bucket"]) for r in cap["split_records"]]
+    assert split == [(k, b) for b in (2, 1) for k in phases]
+    assert [r["kind"] for r in cap["overlap_records"]] == ["round"] * 2
 
 
 def test_outputs_exist(report):

@@ -12,8 +12,9 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from nextn_graph.bench import BenchSettings, run_bench
+from nextn_graph.bench.e2e import e2e_modes
 from nextn_graph.bench.measure import (E2E_MAX_NEW, PhaseTimer, bench_prompts, e2e_max_new,
-                                       measure)
+                                       e2e_run, measure)
 from nextn_graph.bench.report import MODES_HEADER, PLOTS, table
 from nextn_graph.bench.run import padding_waste
 from nextn_graph.bench.trace import record_trace, round_trace
@@ -27,9 +28,10 @@ SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)
 def test_split_config_measures_split_only(tmp_path):
     """A config whose round is split: its graph engine is the split one, no fused or
     overlap engine is built (their figures null, '-' in the table), and its phases are
-    timed."""
+    timed. With bench.temperature 0 the end-to-end pair runs greedy only: no sampled
+    figures (null in the JSON, no table line, 'None' in the Markdown)."""
     cfg = load_run_config(None, pool={"max_requests": 1, "max_context": 128},
-                          graph={"buckets": [1], "round": "split"})
+                          graph={"buckets": [1], "round": "split"}, bench={"temperature": 0})
     st = BenchSettings(warmup_rounds=0, timed_rounds=2, repeats=1)
     rep = run_bench(cfg, "test", st, tmp_path, progress=False)
     assert rep["settings"]["round"] == "split" and set(rep["capture"]) >= {"plain_records"}
@@ -46,6 +48,12 @@ def test_split_config_measures_split_only(tmp_path):
     assert b["round_trace"] == {"fused": None, "overlap": None}  # no fused round to trace
     assert "per-round trace" not in table(rep)
     assert "None: graph.round split, so no fused round" in (tmp_path / "bench.md").read_text()
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["sampling"] is None and data["buckets"][0]["e2e_sampled"] is None
+    assert b["e2e"]["sampled_rounds"] == {"spec": 0, "plain": 0}
+    assert 1 <= b["e2e"]["acceptance_length"] <= 4  # greedy is still measured
+    assert "greedy vs sampling" not in table(rep)
+    assert "None: bench.temperature is 0" in (tmp_path / "bench.md").read_text()
 
 
 def test_phase_timer_sums_per_kind_in_round_order():
@@ -70,6 +78,26 @@ def test_e2e_output_length_fits_the_context(trained):
     prompts = [[5] * 10, [6] * 30]
     assert e2e_max_new(big, prompts) == E2E_MAX_NEW
     assert e2e_max_new(small, prompts) == 48 - 30 - 2
+
+
+def test_e2e_sampling_is_seeded_by_request_index(trained):
+    """The sampled end-to-end requests: temperature as given, request i with seed i (so a
+    rerun draws the same tokens: the same acceptance counts), in the sampling variants;
+    temperature 0 is greedy only (no sampled runs)."""
+    assert list(e2e_modes(0.0, 2)) == ["e2e"]
+    modes = e2e_modes(0.8, 2)
+    assert modes["e2e"] is None
+    assert [(p.temperature, p.seed) for p in modes["e2e_sampled"]] == [(0.8, 0), (0.8, 1)]
+    eng = SpecEngine(trained.target, trained.draft,
+                     SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(2, 128))
+    prompts = bench_prompts(trained.cfg.vocab_size, 2, seed=11)
+    with torch.no_grad():
+        first, again = (e2e_run(eng, prompts, 8, modes["e2e_sampled"]) for _ in range(2))
+        greedy = e2e_run(eng, prompts, 8)
+    counts = ("accepted_drafts", "proposed_drafts", "request_rounds", "sampled_rounds")
+    assert [first[k] for k in counts] == [again[k] for k in counts]
+    assert first["tokens"] == 16 and first["sampled_rounds"] > 0
+    assert greedy["sampled_rounds"] == 0 and greedy["request_rounds"] > 0
 
 
 def _event(kind: str, start: float, end: float) -> dict:
@@ -170,6 +198,8 @@ def test_eager_backend_report_is_honest(tmp_path):
         assert b["fused_vs_split_latency"] is None and b["overlap_vs_fused_latency"] is None
         assert b["eager"]["phase_times"]["phase_ms"]  # eager phases are still timed
         assert b["e2e"]["latency_ratio"] > 0  # eager spec vs eager plain
+        assert b["e2e_sampled"]["latency_ratio"] > 0  # and sampling on eager engines
+        assert b["e2e_sampled"]["sampled_rounds"]["spec"] > 0
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

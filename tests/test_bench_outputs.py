@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -215,6 +216,30 @@ def test_bench_settings_refuse_zero(field):
     """The library refuses the same counts, for callers that bypass the CLI."""
     with pytest.raises(ConfigError, match=field):
         BenchSettings(**{field: 0})
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan"), float("inf"), "hot", True])
+def test_bad_bench_temperature_is_a_config_error(tmp_path, value):
+    """bench.temperature: a finite number >= 0 (a whole number reads as one), else a
+    ConfigError naming the file and the key."""
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(SMALL_YAML + f"bench: {{temperature: {json.dumps(value)}}}\n"
+                   .replace("NaN", ".nan").replace("Infinity", ".inf"))
+    with pytest.raises(ConfigError, match=re.escape(f"{cfg}: key 'bench.temperature' must be")):
+        load_run_config(cfg)
+    assert load_run_config(None, bench={"temperature": 1}).bench.temperature == 1.0
+
+
+def test_sampling_bench_on_greedy_only_engines_fails_before_measuring(tmp_path, monkeypatch):
+    """bench.temperature > 0 needs engines that can sample: with graph.sampling false the
+    bench refuses, naming both keys, before loading anything; at 0 it is let through."""
+    _no_measurement(monkeypatch)
+    cfg = load_run_config(None, graph={"sampling": False})
+    with pytest.raises(ConfigError, match="'bench.temperature' 0.8 samples.*graph.sampling"):
+        run_bench(cfg, "test", BenchSettings(), tmp_path / "o", progress=False)
+    off = load_run_config(None, graph={"sampling": False}, bench={"temperature": 0})
+    with pytest.raises(pytest.fail.Exception, match="started loading"):
+        run_bench(off, "test", BenchSettings(), tmp_path / "o", progress=False)
 
 
 def _generate_argv(prompts) -> list[str]:

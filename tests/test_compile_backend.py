@@ -156,7 +156,8 @@ def test_compile_engine_equals_reference(trained):
     spec, pool = SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(4, 128)
     backend = make_backend("compile", compile_backend="aot_eager")
     engine = SpecEngine(trained.target, trained.draft, spec, pool,
-                        GraphConfig(backend="compile", buckets=(2,), round="split"), backend=backend)
+                        GraphConfig(backend="compile", buckets=(2,), round="split",
+                                    sampling=False), backend=backend)
     assert backend.name == "compile" and backend.compiler.label == "aot_eager"
     assert sorted(engine.runner.graphs) == [(k, 2) for k in sorted(GRAPH_KINDS)]
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
@@ -180,7 +181,8 @@ def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
     spec, pool = SpeculativeConfig(num_steps=3, num_draft_tokens=4), PoolConfig(4, 128)
     backend = make_backend("compile", compile_backend="aot_eager")
     engine = SpecEngine(trained.target, trained.draft, spec, pool,
-                        GraphConfig(backend="compile", buckets=(4,)), backend=backend)
+                        GraphConfig(backend="compile", buckets=(4,), sampling=False),
+                        backend=backend)
     assert list(engine.runner.graphs) == [("round", 4)] and backend.captured == 1
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
@@ -189,14 +191,32 @@ def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
     assert engine.runner.counters.overlapped_rounds > 0
 
 
+def test_sampling_round_compiles_and_draws_what_eager_draws(trained):
+    """The fused round's sampling variant through Dynamo (aot_eager, fullgraph: no graph
+    break in the filtering, the keyed uniforms or the rejection step): seeded requests
+    beside a greedy one take the eager engine's tokens."""
+    spec, pool = SpeculativeConfig(num_steps=3), PoolConfig(4, 128)
+    backend = make_backend("compile", compile_backend="aot_eager")
+    engine = SpecEngine(trained.target, trained.draft, spec, pool,
+                        GraphConfig(backend="compile", buckets=(4,)), backend=backend)
+    assert sorted(engine.runner.graphs) == [("round", 4), ("round+sampling", 4)]
+    smp = [{"temperature": 1.0, "seed": 4}, None, {"temperature": 0.6, "top_k": 5, "seed": 8}]
+    eager = SpecEngine(trained.target, trained.draft, spec, pool, None)
+    want = eager.generate(PROMPTS, MAX_NEW, stop_ids=set(), sampling=smp).outputs
+    res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set(), sampling=smp)
+    assert res.outputs == want and res.stats["eager_fallbacks"] == 0
+    assert engine.runner.graphs[("round+sampling", 4)].replays > 0
+
+
 def _shipped_on_cpu(path: Path, **graph):
     """A shipped config's speculative settings, pool rows and graph set, on the CPU with the
     tiny trained checkpoint (context 128) and the compile backend (aot_eager); split
-    rounds, so each phase is a graph of its own (the graph counts below)."""
+    rounds, so each phase is a graph of its own (the graph counts below); greedy graphs
+    only (the sampling variants compile in ``test_sampling_round_compiles``)."""
     return load_run_config(path, checkpoint="builtin:tiny-trained", dtype="fp32", device="cpu",
                            pool={"max_context": 128},
                            graph={"backend": "compile", "compile_backend": "aot_eager",
-                                  "round": "split", **graph})
+                                  "round": "split", "sampling": False, **graph})
 
 
 def _run_every_bucket(trained, cfg, expect_graphs: int) -> None:
@@ -347,7 +367,8 @@ def test_cuda_compile_engine_equals_reference(compile_backend):
     backend = make_backend("compile", compile_backend=compile_backend)
     spec = SpeculativeConfig(num_steps=3, num_draft_tokens=4)
     engine = SpecEngine(models.target, models.draft, spec, PoolConfig(4, 128),
-                        GraphConfig(backend="compile", buckets=(1, 2), round="split"), backend=backend)
+                        GraphConfig(backend="compile", buckets=(1, 2), round="split",
+                                    sampling=False), backend=backend)
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(models.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
     assert res.outputs == ref.outputs

@@ -137,6 +137,7 @@ class _SeqlenPhases:
     state: RequestState
     num_steps: int = 1
     kinds = ("target_verify",)
+    sampled_kinds = ()  # no sampling variant
     fused = False
     verify_width = 2
 
@@ -167,7 +168,7 @@ def test_graph_round_counts_every_submission():
     assert delta == {"rounds": 1, "graph_replays": 1, "staging_copies": 1,
                      "readback_copies": 1, "graph_updates": 2, "eager_fallbacks": 0,
                      "bucket_splits": 0, "padded_rows": 1, "real_rows": 1,
-                     "graph_collectives": 0, "overlapped_rounds": 0}
+                     "graph_collectives": 0, "overlapped_rounds": 0, "sampled_rounds": 0}
     assert ReplayCounters(**delta).submissions() == 1 + 1 + 1 + 2
 
 

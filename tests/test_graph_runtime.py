@@ -377,7 +377,8 @@ def test_kinds_switched_off_run_eagerly_and_are_counted(trained, kinds, replays,
     prompts = corpus_prompts(31, [9, 24, 15])
     eng = make_engine(trained, 3, max_requests=4, max_context=96,
                       graph=cpu_graphs(kinds=kinds))
-    assert {r.kind for r in eng.runner.records} == set(kinds)
+    assert {r.kind for r in eng.runner.records} == {k + v for k in kinds
+                                                     for v in ("", "+sampling")}
     res = eng.generate(prompts, 16, stop_ids=[])
     eager = make_engine(trained, 3, max_requests=4, max_context=96).generate(
         prompts, 16, stop_ids=[])
@@ -413,7 +414,8 @@ def test_steady_round_costs(trained, num_steps, round_mode, overlap, replays, st
         assert delta == {"rounds": 1, "graph_replays": replays, "staging_copies": staging,
                          "readback_copies": 1, "graph_updates": 0, "eager_fallbacks": 0,
                          "bucket_splits": 0, "padded_rows": 1, "real_rows": 3,
-                         "graph_collectives": 0, "overlapped_rounds": int(overlap == "on")}
+                         "graph_collectives": 0, "overlapped_rounds": int(overlap == "on"),
+                         "sampled_rounds": 0}
     while eng.has_work:
         eng.step()
 

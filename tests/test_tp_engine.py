@@ -82,11 +82,28 @@ def run_modes(group: TPGroup, preset: dict | None, modes: list[str], seed: int,
             out[mode] = [run_schedule(eng, s).outputs for s in schedules(seed)[:count]]
             out[f"{mode}_collectives"] = eng.tp.counts.as_dict()
             out[f"{mode}_graph_collectives"] = eng.runner.counters.graph_collectives
+        out["sampled"] = _sampled(group, models, seed)
         first = schedules(seed)[0]
         out["reference"] = mirror(group, models, "reference_generate",
                                   [r.prompt for r in first], max(r.max_new for r in first),
                                   stop_ids=set()).outputs
     shutdown(group)
+    return out
+
+
+def _sampled(group: TPGroup, models, seed: int) -> dict:
+    """Seeded sampling (greedy beside it): speculative on the graphs, plain eager, and the
+    mirrored oracle (seeds given, so every rank draws the same)."""
+    prompts = corpus_prompts(seed, [6, 11, 17, 9])
+    smp = [{"temperature": 1.0, "seed": 1}, None, {"temperature": 0.7, "top_k": 6, "seed": 2},
+           {"temperature": 1.2, "top_p": 0.9, "seed": 3}]
+    out = {}
+    for mode in ("plain", "spec_graphs"):
+        spec, graph = MODES[mode]
+        eng = SpecEngine(models.target, models.draft, spec, POOL, graph)
+        out[mode] = eng.generate(prompts, 14, stop_ids=[], sampling=smp).outputs
+    out["reference"] = mirror(group, models, "reference_generate", prompts, 14,
+                              stop_ids=set(), sampling=smp).outputs
     return out
 
 
@@ -104,6 +121,9 @@ def test_tp2_tokens_equal_tp1_plain_spec_eager_and_graphs():
     assert got["spec_eager_collectives"]["all_reduce"] > 0
     assert got["spec_graphs_graph_collectives"] > 0
     assert got["reference"] == want["reference"]
+    # seeded sampling: the same draws on 2 ranks as on 1; plain rounds draw the oracle's
+    assert got["sampled"] == want["sampled"]
+    assert want["sampled"]["plain"] == want["sampled"]["reference"]
     # and the reference is what the engines decoded (truncated to each request's limit)
     first = schedules(5)[0]
     for i, r in enumerate(first):

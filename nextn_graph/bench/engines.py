@@ -74,18 +74,22 @@ def build_engines(models, cfg: RunConfig, progress: bool) -> Engines:
     # mode below; a split round has none), so graph and plain compare like for like.
     graph = replace(cfg.graph, overlap="off")
     peer = compile_peer(cfg)
+    # Only the config's own engines sample (the sampled end-to-end pair); the other modes
+    # are greedy, so they skip the sampling graphs' capture.
+    greedy = {"sampling": False}
     engines = Engines(
         eager_spec=engine(cfg.speculative, eager), eager_plain=engine(None, eager),
         graph_spec=engine(cfg.speculative, graph, progress=progress) if graphs else None,
         graph_plain=engine(None, graph, progress=progress) if graphs else None,
-        compile_spec=(engine(cfg.speculative, replace(peer, overlap="off"), progress=progress)
-                      if peer else None))
+        compile_spec=(engine(cfg.speculative, replace(peer, overlap="off", **greedy),
+                             progress=progress) if peer else None))
     if engines.fused:
-        engines.split_spec = engine(cfg.speculative, replace(graph, round="split"),
+        engines.split_spec = engine(cfg.speculative, replace(graph, round="split", **greedy),
                                     progress=progress)
         # overlap only where it can work (not on NPU graphs, which take host lengths)
         overlap = replace(graph, overlap="auto")
         if resolve_graph(overlap, cfg.pool, "bench").overlap == "on":
-            engines.overlap_spec = engine(cfg.speculative, replace(overlap, overlap="on"),
+            engines.overlap_spec = engine(cfg.speculative,
+                                          replace(overlap, overlap="on", **greedy),
                                           progress=progress)
     return engines

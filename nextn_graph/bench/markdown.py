@@ -1,5 +1,6 @@
 """The bench's Markdown report (``bench.md``): the table, the round modes, the
-per-round trace, the cost model, the capture, and what the JSON's keys hold."""
+per-round trace, the cost model, greedy vs sampling, the capture, and what the JSON's
+keys hold."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ Spread of the repeat medians (max - min over median): {noise}.
 {_trace_section(report)}
 
 {_cost_section(report)}
+
+{_sampling_section(report)}
 
 {_capture_section(report)}
 
@@ -84,7 +87,17 @@ JSON_KEYS = """## JSON keys (per bucket, `buckets[i]`)
   once and run to completion, speculative and plain on the config's backend:
   `spec`/`plain` `latency_ms_median` and `latency_ms_max` (add_request to last token,
   prefill included), `output_tokens_per_s`; `latency_ratio` and `throughput_ratio`
-  (spec over plain)."""
+  (spec over plain); `acceptance_length` (accepted drafts + bonus per request-round of
+  the speculative runs, as `spec_vs_plain.acceptance_length` over steady rounds) and
+  `draft_acceptance_rate`; `temperature` (0: greedy); `sampled_rounds.{spec,plain}`
+  (chunks run in the sampling graph variants, `runner.counters.sampled_rounds`).
+- `e2e_sampled`: the same, with every request sampling at `bench.temperature` (top_p
+  1, top_k 0, seed = request index, so every run draws the same tokens; speculative
+  rounds accept by rejection sampling); null with `bench.temperature` 0.
+- Top level, `sampling`: `temperature`, `top_p`, `top_k`, `seed`, and `greedy` /
+  `sampled` (`e2e` / `e2e_sampled` over buckets): `acceptance_length` (mean),
+  `latency_ratio` and `throughput_ratio` (geometric means); null with
+  `bench.temperature` 0."""
 
 
 def _modes_section(report: dict) -> str:
@@ -193,6 +206,38 @@ throughput of the batch), on the config's backend:
 | bucket | TPOT spec ms | TPOT plain ms | break-even acc len | acc len | e2e spec ms | e2e plain ms | e2e spec/plain | spec tok/s | plain tok/s |
 |---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(e2e_rows)}"""
+
+
+def _sampling_section(report: dict) -> str:
+    smp = report["sampling"]
+    if smp is None:
+        return "## Greedy vs sampling\n\nNone: bench.temperature is 0 (greedy only)."
+    rows = []
+    for r in report["buckets"]:
+        g, s = r["e2e"], r["e2e_sampled"]
+        rows.append(f"| {r['bucket']} | {g['acceptance_length']:.2f} | "
+                    f"{s['acceptance_length']:.2f} | {g['latency_ratio']:.2f} | "
+                    f"{s['latency_ratio']:.2f} | {g['throughput_ratio']:.2f} | "
+                    f"{s['throughput_ratio']:.2f} | {s['spec']['latency_ms_median']:.1f} | "
+                    f"{s['plain']['latency_ms_median']:.1f} |")
+    over = "; ".join(f"{name} {smp['greedy'][key]:.2f} greedy vs {smp['sampled'][key]:.2f} "
+                     f"sampled" for name, key in (("acceptance length", "acceptance_length"),
+                                                  ("latency spec/plain", "latency_ratio"),
+                                                  ("throughput spec/plain", "throughput_ratio")))
+    return f"""## Greedy vs sampling
+
+End to end as in the cost model, greedy and with every request sampling at temperature
+{smp['temperature']:g} (top_p 1, top_k 0, seed = request index: every run draws the same
+tokens). A sampling round drafts from the draft's distribution and accepts each
+candidate with min(1, p/q) (lossless rejection sampling: the output follows the
+target's distribution). acc len: accepted drafts + bonus per request-round of the
+speculative runs; spec/plain: latency (median over requests) and output throughput.
+
+Over buckets (means, geometric means for the ratios): {over}.
+
+| bucket | acc len greedy | acc len sampled | latency spec/plain greedy | latency spec/plain sampled | throughput spec/plain greedy | throughput spec/plain sampled | sampled spec ms | sampled plain ms |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}"""
 
 
 def _counted_as(report: dict) -> str:

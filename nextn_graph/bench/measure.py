@@ -13,8 +13,9 @@ with phases (eager, split graphs) time a few rounds phase by phase
 graph mode the runner's counters (replays, staging and readback copies, updates)
 plus the ops of any phase left eager. Requests are then aborted, so every
 measurement starts from the same state; last, B requests of ``E2E_MAX_NEW`` tokens
-run to completion, speculatively and plainly (``e2e``). Repeats give a median and
-its spread (``summary``).
+run to completion, speculatively and plainly (``e2e``), greedy and, with
+``bench.temperature`` > 0, sampling. Repeats give a median and its spread
+(``summary``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..errors import ConfigError
 from ..graph.counting import RoundCounter, compiled_counter, launch_counter
 from ..runtime.engine import SpecEngine
 from ..train import Corpus, TrainSettings
-from .e2e import E2E_MAX_NEW, e2e_max_new, e2e_run, e2e_summary
+from .e2e import E2E_MAX_NEW, e2e_max_new, e2e_run, e2e_modes, e2e_summary
 from .engines import Engines, build_engines
 from .phases import PhaseTimer, count_round
 from .summary import compile_summary, ratio, round_modes, round_traces, summary
@@ -174,21 +175,24 @@ def _measure_mode(name: str, engine: SpecEngine, prompts: list[list[int]],
 
 
 def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
-                 tick=lambda: None) -> dict:
-    """One bucket. Without graphs (the eager backend) every graph figure is None."""
+                 tick=lambda: None, temperature: float = 0.0) -> dict:
+    """One bucket. Without graphs (the eager backend) every graph figure is None;
+    with ``temperature`` 0 the sampled end-to-end figures (``e2e_sampled``) are."""
     modes = engines.by_name()
     runs: dict[str, list[dict]] = {name: [] for name in modes}
-    e2e: dict[str, list[dict]] = {"spec": [], "plain": []}
+    pairs = e2e_modes(temperature, len(prompts))  # each run spec and plain
+    e2e = {key: {"spec": [], "plain": []} for key in pairs}
     max_new = e2e_max_new(engines.spec, prompts)
     for _ in range(st.repeats):  # interleaved, so drift hits every mode alike
         for name, engine in modes.items():
             with torch.no_grad():
                 runs[name].append(_measure_mode(name, engine, prompts, st, engines))
             tick()
-        with torch.no_grad():
-            e2e["spec"].append(e2e_run(engines.spec, prompts, max_new))
-            e2e["plain"].append(e2e_run(engines.plain, prompts, max_new))
-        tick()
+        for key, sampling in pairs.items():
+            with torch.no_grad():
+                for side, engine in (("spec", engines.spec), ("plain", engines.plain)):
+                    e2e[key][side].append(e2e_run(engine, prompts, max_new, sampling))
+            tick()
     graphs = engines.has_graphs
     spec = runs["graph_spec" if graphs else "eager_spec"]
     request_rounds = sum(r["request_rounds"] for r in spec)
@@ -233,8 +237,11 @@ def bench_bucket(engines: Engines, prompts: list[list[int]], st: BenchSettings,
             # acceptance length (the speculative round over the plain one)
             "break_even_acceptance_length": ratio(head, head_plain),
         },
-        # end to end at equal batch: B requests of max_new_tokens, spec vs plain
-        "e2e": e2e_summary(e2e["spec"], e2e["plain"], len(prompts), max_new),
+        # end to end at equal batch: B requests of max_new_tokens, spec vs plain, greedy
+        # and (None with bench.temperature 0) every request sampling at the temperature
+        "e2e": e2e_summary(e2e["e2e"], len(prompts), max_new),
+        "e2e_sampled": (e2e_summary(e2e["e2e_sampled"], len(prompts), max_new, temperature)
+                        if "e2e_sampled" in e2e else None),
     }
 
 

@@ -16,6 +16,7 @@ from ..graph.runner import plan_chunks
 from ..parallel.group import TPGroup
 from ..parallel.launch import load_on_ranks
 from ..progress import progress_bar
+from .e2e import bench_temperature, sampling_summary
 from .engines import build_engines
 from .measure import BenchSettings, bench_bucket, bench_prompts
 from .report import check_outputs, write_outputs
@@ -51,14 +52,17 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
     """On a tensor-parallel group this is rank 0's part; the others follow it."""
     check_outputs(out_dir, json_path)  # a bad path fails now, not after the measurement
     compile_peer(cfg, where)  # and so does a peer the device cannot run
+    temperature = bench_temperature(cfg, where)  # and sampling on greedy-only engines
     start = time.perf_counter()
     group = group or TPGroup.single()
     models, per_rank = load_on_ranks(cfg, group, progress)
     engines = build_engines(models, cfg, progress)
     buckets = cfg.graph.buckets
     prompts = bench_prompts(models.cfg.vocab_size, buckets[-1], st.seed)
-    # per bucket and repeat: one measurement per engine, then the end-to-end pair
-    results, done, total = [], 0, len(buckets) * st.repeats * (len(engines.by_name()) + 1)
+    # per bucket and repeat: one measurement per engine, then the end-to-end pair,
+    # greedy and (bench.temperature > 0) sampling
+    pairs = 2 if temperature > 0 else 1
+    results, done, total = [], 0, len(buckets) * st.repeats * (len(engines.by_name()) + pairs)
 
     def tick() -> None:
         nonlocal done
@@ -67,7 +71,7 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
             progress_bar(done, total, "measuring rounds")
 
     for b in buckets:
-        results.append(bench_bucket(engines, prompts[:b], st, tick))
+        results.append(bench_bucket(engines, prompts[:b], st, tick, temperature))
     speedups = [r["spec_vs_plain"]["speedup"] for r in results]
     report = {
         "settings": {
@@ -109,6 +113,8 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
                 r["e2e"]["latency_ratio"] for r in results),
             "per_bucket": {r["bucket"]: r["spec_vs_plain"] for r in results},
         },
+        # end to end, greedy vs every request sampling at bench.temperature (None at 0)
+        "sampling": sampling_summary(results, temperature),
         # eager runs each batch at its real size: nothing is padded
         "padding": padding_waste(buckets, cfg.pool.max_requests) if engines.has_graphs else None,
         "wall_s": time.perf_counter() - start,

@@ -188,13 +188,26 @@ def _cost_line(report: dict) -> list[str]:
             f"{cell(dv)} ({name}); geometric means over buckets"]
 
 
+def _sampling_line(report: dict) -> list[str]:
+    """End to end, greedy vs every request sampling at bench.temperature (none at 0)."""
+    smp = report["sampling"]
+    if smp is None:
+        return []
+    g, s = smp["greedy"], smp["sampled"]
+    return [f"greedy vs sampling at temperature {smp['temperature']:g} (seed = request "
+            f"index), end to end: acceptance length {g['acceptance_length']:.2f} vs "
+            f"{s['acceptance_length']:.2f}, latency spec/plain {g['latency_ratio']:.2f} vs "
+            f"{s['latency_ratio']:.2f}, throughput spec/plain {g['throughput_ratio']:.2f}x "
+            f"vs {s['throughput_ratio']:.2f}x (means / geometric means over buckets)"]
+
+
 def summary_lines(report: dict) -> list[str]:
     sv, s = report["spec_vs_plain"], report["settings"]
     return [_capture_line(report), *_peer_line(report),
             f"speculative vs plain on {s['backend']}: {sv['speedup']:.2f}x at acceptance "
             f"length {sv['acceptance_length']:.2f} (strict draft acceptance "
             f"{sv['draft_acceptance_rate']:.2f})", *_modes_line(report),
-            *_trace_line(report), *_cost_line(report)]
+            *_trace_line(report), *_cost_line(report), *_sampling_line(report)]
 
 
 def table(report: dict) -> str:

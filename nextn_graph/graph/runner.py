@@ -35,6 +35,7 @@ from ..counters import Counters
 from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
+from ..config import SAMPLING_SUFFIX
 from ..errors import CaptureError
 from .transfers import HostTransfers, PendingRead
 from .updates import UpdateContext, UpdateRegistry
@@ -58,6 +59,9 @@ class Phases(Protocol):
 
     @property
     def kinds(self) -> tuple[str, ...]: ...
+
+    @property
+    def sampled_kinds(self) -> tuple[str, ...]: ...  # KIND+sampling for each kind, or ()
 
     def run(self, kind: str, b: int) -> None: ...
 
@@ -84,6 +88,7 @@ class ReplayCounters(Counters):
     # collectives inside the replayed graphs (tensor parallelism): not submissions of
     # their own, each is part of its graph's replay
     graph_collectives: int = 0
+    sampled_rounds: int = 0  # chunks run in the sampling variants (a request samples)
     real_rows: int = 0
 
     def as_dict(self) -> dict:
@@ -157,8 +162,12 @@ class RoundRunner:
     def num_steps(self) -> int:
         return self.phases.num_steps
 
-    def _round_kinds(self) -> tuple[str, ...]:
-        return self.phases.kinds
+    def _round_kinds(self, sampled: bool = False) -> tuple[str, ...]:
+        return self.phases.sampled_kinds if sampled else self.phases.kinds
+
+    def _captures(self, kind: str) -> bool:
+        """Whether ``kind`` (or the kind it is the sampling variant of) is captured."""
+        return self.phases.fused or kind.removesuffix(SAMPLING_SUFFIX) in self.kinds
 
     # -- capture -----------------------------------------------------------------
     def capture(self, progress: bool = False) -> list[CaptureRecord]:
@@ -166,7 +175,8 @@ class RoundRunner:
             return []
         pool = self.backend.new_pool()
         todo = [(b, k) for b in sorted(self.buckets, reverse=True)
-                for k in self._round_kinds() if self.phases.fused or k in self.kinds]
+                for k in self._round_kinds() + self._round_kinds(sampled=True)
+                if self._captures(k)]
         for i, (bucket, kind) in enumerate(todo, start=1):
             fn = functools.partial(self.phases.run, kind, bucket)
             self._stage([], bucket)  # capture over padding rows only: writes land in row 0
@@ -210,17 +220,18 @@ class RoundRunner:
         self._host.upload(slots, bucket, self.phases.bufs.slots)
 
     def run_chunk(self, slots: list[int], lengths: list[int], bucket: int,
-                  read: bool = True) -> RoundResult | None:
+                  read: bool = True, sampled: bool = False) -> RoundResult | None:
         """One decode round for requests at state ``slots`` (their committed copies)
         with committed ``lengths``, replayed at ``bucket``. The next state lands in
         the other copies; nothing is committed here, so a raise leaves every
         request's committed state as it was. ``read`` False (tensor-parallel ranks
-        other than 0): nothing is read back."""
-        pending = self.launch_chunk(slots, lengths, bucket, read)
+        other than 0): nothing is read back. ``sampled``: run the sampling variants (a
+        request of the chunk samples)."""
+        pending = self.launch_chunk(slots, lengths, bucket, read, sampled)
         return self.finish_chunk(pending) if read else None
 
     def launch_chunk(self, slots: list[int], lengths: list[int], bucket: int,
-                     read: bool = True) -> PendingChunk | None:
+                     read: bool = True, sampled: bool = False) -> PendingChunk | None:
         """``run_chunk``'s first half: stage (if the slots are not already in place),
         run every kind, and start the readback; ``finish_chunk`` waits for it. Another
         chunk may be launched in between (it is queued behind this one's copy)."""
@@ -234,7 +245,8 @@ class RoundRunner:
         self._resident = None  # unknown until every phase of this chunk ran
         if self.debug_check_addresses and self.graphs:
             self._check_addresses()
-        for kind in self._round_kinds():
+        c.sampled_rounds += int(sampled)
+        for kind in self._round_kinds(sampled):
             graph = self.graphs.get((kind, bucket))
             with self.tracer(kind, graph is not None) if self.tracer else nullcontext():
                 self._run_phase(kind, bucket, graph, slots, lengths)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import RowParams
+
 
 @dataclass(frozen=True)
 class RequestState:
@@ -96,3 +98,40 @@ class RoundBuffers:
             hidden=torch.zeros(max_batch * n, hc_dim, device=device, dtype=dtype),
             readout=readout, accept_lens=readout[:, 0], preds=readout[:, 1:1 + n],
             draft_tokens=readout[:, 1 + n:])
+
+
+@dataclass(frozen=True)
+class SamplingTables:
+    """What sampling adds (allocated only where the engine samples): each request's
+    parameters by pool row (row 0, padding, stays greedy), the draft distribution q that
+    candidate 1 was drawn from by state slot (two copies, like ``RequestState``), and the
+    round's q of every candidate. fp32 throughout: acceptance compares p with the very
+    q a candidate was drawn from."""
+
+    temperature: torch.Tensor  # [R] fp32, 0 = greedy
+    top_p: torch.Tensor  # [R] fp32
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    seed: torch.Tensor  # [R] int64, the request's sampling seed
+    q1: torch.Tensor  # [2R, V] q of candidate 1, by slot (meaningful for sampled rows)
+    q: torch.Tensor  # [Bmax, max(S, 1), V] this round's q of candidates 1..S
+
+    @staticmethod
+    def allocate(rows: int, max_batch: int, num_steps: int, vocab: int,
+                 device) -> "SamplingTables":
+        f32, long = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        return SamplingTables(torch.zeros(rows, **f32), torch.ones(rows, **f32),
+                              torch.zeros(rows, **long), torch.zeros(rows, **long),
+                              torch.zeros(2 * rows, vocab, **f32),
+                              torch.zeros(max_batch, max(num_steps, 1), vocab, **f32))
+
+    def store(self, rows: torch.Tensor, params: RowParams) -> None:
+        """Admission: the parameters of pool rows [B] (never row 0)."""
+        self.temperature.index_put_((rows,), params.temperature)
+        self.top_p.index_put_((rows,), params.top_p)
+        self.top_k.index_put_((rows,), params.top_k)
+        self.seed.index_put_((rows,), params.seed)
+
+    def gather(self, rows: torch.Tensor) -> RowParams:
+        """The parameters of pool rows [B] (padding row 0 is greedy)."""
+        return RowParams(self.temperature[rows], self.top_p[rows], self.top_k[rows],
+                         self.seed[rows])

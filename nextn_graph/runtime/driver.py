@@ -55,7 +55,8 @@ class RoundDriver:
         if slots is None:
             return
         try:
-            pending = self.runner.launch_chunk(slots, lengths, bucket)
+            pending = self.runner.launch_chunk(slots, lengths, bucket,
+                                               sampled=self._chunk_samples(slots))
         except Exception as exc:
             self._drain()  # round k-1 read and committed first (it may finish some)
             live = [r for r in live if not r.finished]
@@ -123,7 +124,8 @@ class RoundDriver:
             chunk, part = active[start:start + size], slice(start, start + size)
             start += size
             try:
-                res = self.runner.run_chunk(slots[part], lengths[part], bucket)
+                res = self.runner.run_chunk(slots[part], lengths[part], bucket,
+                                            sampled=self._chunk_samples(slots[part]))
             except Exception as exc:
                 self._unit_failed(chunk, active, exc)
                 if self.tp.parallel:
@@ -153,14 +155,15 @@ class RoundDriver:
 
     # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
     @torch.no_grad()
-    def follow_admit(self, rows: list[int], prompts: list[list[int]]) -> None:
-        self._prefill_rows(rows, prompts)
+    def follow_admit(self, rows: list[int], prompts: list[list[int]], params: list) -> None:
+        self._prefill_rows(rows, prompts, params)
 
     @torch.no_grad()
     def follow_round(self, slots: list[int], lengths: list[int]) -> None:
         """Rank 0's round, chunk for chunk, without reading anything back."""
         start = 0
         for size, bucket in self.runner.plan(len(slots)):
-            self.runner.run_chunk(slots[start:start + size], lengths[start:start + size],
-                                  bucket, read=False)
+            part = slots[start:start + size]
+            self.runner.run_chunk(part, lengths[start:start + size], bucket, read=False,
+                                  sampled=self._chunk_samples(part))
             start += size

@@ -40,10 +40,11 @@ from ..graph.backends import GraphBackend, make_backend
 from ..graph.runner import RoundRunner
 from ..graph.updates import UpdateRegistry
 from . import phases
-from .buffers import RequestState, RoundBuffers
+from .buffers import RequestState, RoundBuffers, SamplingTables
 from .driver import RoundDriver
 from .round import RoundPhases
 from .request import Request, StepOutput
+from .sampling import RowParams, SamplingParams, sampling_params, sampling_per_prompt
 from .stats import SpecStats
 
 log = logging.getLogger(__name__)
@@ -93,12 +94,16 @@ class SpecEngine(RoundDriver):
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
         bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
                                      self.device, dtype)
+        self.samples = graph.sampling  # requests may sample (tables and graphs for it)
+        sampling = SamplingTables.allocate(layout.rows, pool.max_requests, self.num_steps,
+                                           self.cfg.vocab_size, self.device) if self.samples else None
+        self._sampled_rows = [False] * layout.rows  # by pool row: its request samples
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates,
                                           compile_backend=graph.compile_backend)
         self.runner = RoundRunner(
             RoundPhases(self.models, self.state, bufs, self.num_steps,
-                        fused=graph.round == "fused"), backend,
+                        fused=graph.round == "fused", sampling=sampling), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates, collectives=self.tp.counts)
@@ -126,8 +131,13 @@ class SpecEngine(RoundDriver):
 
     # -- requests --------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
-                    stop_ids: Iterable[int] | None = None) -> int:
-        """Queue a request; a bad one raises here and touches no other request."""
+                    stop_ids: Iterable[int] | None = None,
+                    sampling: SamplingParams | dict | None = None) -> int:
+        """Queue a request; a bad one raises here and touches no other request.
+
+        ``sampling``: None decodes greedily; a ``SamplingParams`` (or a dict of its
+        fields) samples with its temperature, top_p, top_k and seed (None: a fresh one).
+        """
         if self._broken:
             raise ParallelError(f"tensor parallelism: this engine's group failed "
                                 f"({self._broken}); it takes no more requests")
@@ -136,12 +146,20 @@ class SpecEngine(RoundDriver):
                                  f"request {rid}", self.lookahead)
         max_new_tokens = validate_max_new_tokens(max_new_tokens, f"request {rid}")
         stops = validate_stop_ids(stop_ids, self.cfg, f"request {rid}")
+        params = self._checked_sampling(sampling, f"request {rid}")
         self._next_rid += 1
-        req = Request(rid, prompt, max_new_tokens, stops)
+        req = Request(rid, prompt, max_new_tokens, stops, params)
         self._waiting.append(req)
         self._live[rid] = req
         self._num_waiting += 1
         return rid
+
+    def _checked_sampling(self, sampling: object, where: str) -> SamplingParams:
+        params = sampling_params(sampling, where)
+        if not params.greedy and not self.samples:
+            raise InputError(f"{where}: temperature {params.temperature} samples, but this "
+                             f"engine was built greedy-only (graph.sampling: false)")
+        return params
 
     def abort(self, rid: int) -> bool:
         """Drop a request (a client went away): its row returns to the pool at once.
@@ -276,23 +294,45 @@ class SpecEngine(RoundDriver):
     def _prefill(self, new: list[Request]) -> list[int]:
         """Prefill + draft extend into the rows' copy 0 -> the bonus tokens (host)."""
         rows, prompts = [r.row for r in new], [r.prompt for r in new]
+        params = [r.sampling for r in new]
         if self.tp.parallel:  # the other ranks prefill the same rows
-            self.tp.channel.send(Message("admit", self.engine_id, (rows, prompts)))
-        return self._prefill_rows(rows, prompts).tolist()
+            self.tp.channel.send(Message("admit", self.engine_id, (rows, prompts, params)))
+        return self._prefill_rows(rows, prompts, params).tolist()
 
-    def _prefill_rows(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+    def _prefill_rows(self, rows: list[int], prompts: list[list[int]],
+                      params: list[SamplingParams]) -> torch.Tensor:
         """Every rank's part of an admission: -> the bonus tokens [B] (on the device)."""
-        bonus, cand1, seed = phases.prefill(self.models, rows, prompts, self.device,
-                                            with_draft=self.num_steps > 0)
+        sampled = [not p.greedy for p in params]
+        row_params = RowParams.of(params, self.device) if any(sampled) else None
+        bonus, cand1, seed, q1 = phases.prefill(self.models, rows, prompts, self.device,
+                                                with_draft=self.num_steps > 0,
+                                                params=row_params)
         slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self.state.store(slots, lengths, bonus, cand1, seed)
+        if self.samples:  # every row's parameters, greedy ones too (a sampling chunk
+            tables = self.runner.phases.sampling  # gathers them for all its rows)
+            tables.store(torch.tensor(rows, device=self.device),
+                         row_params or RowParams.of(params, self.device))
+            if q1 is not None:
+                tables.q1.index_put_((slots,), q1)
+        for row, s in zip(rows, sampled):
+            self._sampled_rows[row] = s
         return bonus
+
+    def _chunk_samples(self, slots: list[int]) -> bool:
+        """Whether a chunk runs the sampling variants: one of its requests samples."""
+        rows = self.state.rows
+        return any(self._sampled_rows[s % rows] for s in slots)
 
     # -- convenience -----------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 stop_ids: Iterable[int] | None = None) -> GenerateResult:
+                 stop_ids: Iterable[int] | None = None,
+                 sampling: object = None) -> GenerateResult:
         """Run a batch to completion on an idle engine; outputs in prompt order.
+
+        ``sampling``: None (greedy), one setting for every prompt (``SamplingParams`` or
+        a dict), or a list with one per prompt.
 
         Raises ``RequestFailed`` (with the partial result) when a fault failed
         any request; the others ran to completion.
@@ -304,9 +344,12 @@ class SpecEngine(RoundDriver):
         # All-or-nothing: a bad prompt or stop id raises before any request is queued.
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
         validate_stop_ids(stop_ids, self.cfg, "generate")
+        params = [self._checked_sampling(p, f"request {i}")
+                  for i, p in enumerate(sampling_per_prompt(sampling, len(prompts)))]
         start = time.perf_counter()
         before, counters_before = self.stats.snapshot(), self.runner.counters.snapshot()
-        rids = [self.add_request(p, max_new_tokens, stop_ids) for p in prompts]
+        rids = [self.add_request(p, max_new_tokens, stop_ids, s)
+                for p, s in zip(prompts, params)]
         index = {rid: i for i, rid in enumerate(rids)}
         outputs: list[list[int]] = [[] for _ in rids]
         errors: dict[int, str] = {}  # by prompt index

@@ -10,12 +10,19 @@ depends on data, so each can be captured as a graph as it stands.
   consuming the previous candidate and the draft's own ``pre_hc_head``.
 - ``verify``: the window ``[bonus, d1..dS]`` at positions L..L+S, one target
   forward over B*N rows.
-- ``accept``: greedy chain acceptance -> ``accept_lens`` in [1, N], new bonus.
+- ``accept``: greedy chain acceptance -> ``accept_lens`` in [1, N].
+  Sampling rounds use ``sampling.speculative_accept`` instead (rejection sampling).
 - ``draft_extend``: one NextN forward over the fixed B*N window (row j: the
   target's prediction after verify row j, with verify hidden j);
   ``select_index = arange(B)*N + accept_lens - 1`` picks candidate 1 and the
   seed. Rows past the accepted length write draft KV that the next round
   overwrites before reading.
+
+Sampling: given ``params`` (``RowParams``: the batch's temperatures, top-k, top-p
+and seeds), every token is drawn from its row's filtered distribution with a
+keyed uniform (round base L, offset j of the drawn position L + j, stream), and the
+draft returns the q it drew each candidate from. Greedy rows (temperature 0) get
+one-hot distributions, so they draw exactly the argmax the greedy path takes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from ..memory.batch import Chunk, ForwardBatch
 from ..memory.pool import KVPool
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
+from .sampling import DRAFT, RowParams, draw
 
 
 @dataclass
@@ -53,59 +61,85 @@ def window_batch(tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) 
 
 
 def rollout(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, cand1: torch.Tensor,
-            seed: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """-> draft_tokens [B, S]. Draft step i (1-based) runs at position L + i - 1."""
-    tokens, hidden = [cand1], seed  # [B], [B, hc*H]
+            seed: torch.Tensor, num_steps: int, params: RowParams | None = None):
+    """-> (draft_tokens [B, S], q of candidates 2..S [B, S-1, V] when sampling, else
+    None). Draft step i (1-based) runs at position L + i - 1 and proposes L + i + 1."""
+    tokens, hidden, qs = [cand1], seed, []  # [B], [B, hc*H]
     for i in range(1, num_steps):
         batch = window_batch(tokens[-1].unsqueeze(1), rows, lengths + (i - 1))
         out = m.draft(batch, hidden, m.draft_pool)
-        tokens.append(out.logits.argmax(dim=-1))
+        if params is None:
+            tokens.append(out.logits.argmax(dim=-1))
+        else:
+            qs.append(params.probs(out.logits))  # [B, V]
+            tokens.append(draw(qs[-1], params.uniform(lengths, i + 1, DRAFT)))
         hidden = out.hidden
-    return torch.stack(tokens, dim=1)
+    q = torch.stack(qs, dim=1) if params is not None and qs else None
+    return torch.stack(tokens, dim=1), q
 
 
 def verify(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
-           draft_tokens: torch.Tensor):
-    """-> (target predictions [B, N], verify hidden [B*N, hc*H])."""
+           draft_tokens: torch.Tensor, params: RowParams | None = None):
+    """-> (target predictions [B, N], or with ``params`` the filtered target
+    distributions p [B, N, V]; verify hidden [B*N, hc*H])."""
     window = torch.cat((bonus.unsqueeze(1), draft_tokens), dim=1)  # [B, N]
     out = m.target(window_batch(window, rows, lengths), m.target_pool)
-    return out.logits.argmax(dim=-1).view(window.shape), out.hidden
+    logits = out.logits.view(*window.shape, -1)  # [B, N, V]
+    return (logits.argmax(dim=-1) if params is None else params.probs(logits)), out.hidden
 
 
-def accept(draft_tokens: torch.Tensor, preds: torch.Tensor):
-    """Greedy chain: accept_lens = 1 + leading matches [B]; new bonus = preds[a - 1] [B]."""
+def accept(draft_tokens: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
+    """Greedy chain: accept_lens = 1 + leading matches [B] (the round commits
+    preds[:a], so the new bonus is preds[a - 1])."""
     s = draft_tokens.shape[1]
     matches = (draft_tokens == preds[:, :s]).long().cumprod(dim=1)  # [B, S]
-    accept_lens = 1 + matches.sum(dim=1)
-    bonus = preds.gather(1, (accept_lens - 1).unsqueeze(1)).squeeze(1)
-    return accept_lens, bonus
+    return 1 + matches.sum(dim=1)
 
 
 def draft_extend(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, preds: torch.Tensor,
-                 hidden: torch.Tensor, accept_lens: torch.Tensor):
-    """Window rows at L..L+N-1 -> (candidate 1 [B], draft hidden seed [B, hc*H])."""
+                 hidden: torch.Tensor, accept_lens: torch.Tensor,
+                 params: RowParams | None = None):
+    """Window rows at L..L+N-1 -> (candidate 1 [B], draft hidden seed [B, hc*H], and
+    with ``params`` the q [B, V] candidate 1 was drawn from, else None)."""
     b, n = preds.shape
     out = m.draft(window_batch(preds, rows, lengths), hidden, m.draft_pool)
     select_index = torch.arange(b, device=preds.device) * n + accept_lens - 1  # [B]
-    return out.logits[select_index].argmax(dim=-1), out.hidden[select_index]
+    cand1, q1 = _candidate(out.logits[select_index], params, lengths + accept_lens)
+    return cand1, out.hidden[select_index], q1
+
+
+def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tensor):
+    """Candidate 1 of the round at committed length ``base`` [B] (position base + 1):
+    the draft's argmax, or a draw from its q -> (tokens [B], q [B, V] or None)."""
+    if params is None:
+        return logits.argmax(dim=-1), None
+    q1 = params.probs(logits)
+    return draw(q1, params.uniform(base, 1, DRAFT)), q1
 
 
 def prefill(m: SpecModels, rows: list[int], prompts: list[list[int]], device,
-            with_draft: bool = True):
+            with_draft: bool = True, params: RowParams | None = None):
     """Eager, variable length: target over the prompts, then draft extend for prefill.
 
     NextN row p pairs token p+1 with target hidden p; the last row pairs the bonus
-    with the last hidden. -> (bonus [B], candidate 1 [B], seed [B, hc*H]); without
-    the draft (plain decoding) candidate 1 and the seed are zeros.
+    with the last hidden. -> (bonus [B], candidate 1 [B], seed [B, hc*H], q of
+    candidate 1 [B, V] or None); without the draft (plain decoding) candidate 1 and
+    the seed are zeros. With ``params`` the bonus (position P, a round based at
+    P - 1) and candidate 1 (the first round's, based at P) are drawn.
     """
     batch = ForwardBatch.from_chunks([Chunk(r, 0, p) for r, p in zip(rows, prompts)], device)
     out = m.target(batch, m.target_pool)
-    last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # [B]
-    bonus = out.logits[last].argmax(dim=-1)
+    lens = torch.tensor([len(p) for p in prompts], device=device)  # [B] P
+    last = lens.cumsum(0) - 1  # [B]
+    if params is None:
+        bonus = out.logits[last].argmax(dim=-1)
+    else:
+        bonus = params.next_token(params.probs(out.logits[last]), lens - 1)
     if not with_draft:
-        return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last])
+        return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last]), None
     shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p
     shifted = shifted.index_put((last,), bonus)
     draft_batch = dataclasses.replace(batch, input_ids=shifted)
     dout = m.draft(draft_batch, out.hidden, m.draft_pool)
-    return bonus, dout.logits[last].argmax(dim=-1), dout.hidden[last]
+    cand1, q1 = _candidate(dout.logits[last], params, lens)
+    return bonus, cand1, dout.hidden[last], q1

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .sampling import GREEDY, SamplingParams
+
 
 @dataclass
 class Request:
@@ -17,6 +19,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     stop_ids: frozenset[int]
+    sampling: SamplingParams = GREEDY  # checked and resolved (a seed chosen)
     output: list[int] = field(default_factory=list)
     row: int = 0  # pool request row once admitted (0 = not yet)
     copy: int = 0  # which of the row's two state copies holds the committed state

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import FUSED_KIND, GRAPH_KINDS
+from ..config import FUSED_KIND, GRAPH_KINDS, SAMPLING_SUFFIX
 from . import phases
-from .buffers import RequestState, RoundBuffers
+from .buffers import RequestState, RoundBuffers, SamplingTables
 from .phases import SpecModels
+from .sampling import RowParams, one_hot, speculative_accept
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class RoundPhases:
     the verify phase commits it; there is no draft. ``fused``: the round is one
     phase, ``round`` (every phase in order, then the staged slots flip to the copies
     the round wrote), so it is one graph and a steady batch needs no staging.
+
+    ``sampling`` (tables, where the engine samples): every kind also has a sampling
+    variant, ``KIND+sampling``, that draws each request's tokens with its parameters
+    (speculative rejection sampling); greedy rows in it take exactly the greedy
+    tokens. A chunk of greedy requests only runs the greedy kinds.
     """
 
     m: SpecModels
@@ -32,6 +38,7 @@ class RoundPhases:
     bufs: RoundBuffers
     num_steps: int
     fused: bool = False
+    sampling: SamplingTables | None = None
 
     @property
     def verify_width(self) -> int:
@@ -49,21 +56,29 @@ class RoundPhases:
         """What the runner runs (and captures) per round: the phases, or the one round."""
         return (FUSED_KIND,) if self.fused else self.phase_kinds
 
-    def run(self, kind: str, b: int) -> None:
-        {"rollout": self.rollout, "target_verify": self.verify,
-         "draft_extend": self.draft_extend, FUSED_KIND: self.round}[kind](b)
+    @property
+    def sampled_kinds(self) -> tuple[str, ...]:
+        """The sampling variants of ``kinds`` (none where the engine does not sample)."""
+        return tuple(k + SAMPLING_SUFFIX for k in self.kinds) if self.sampling else ()
 
-    def round(self, b: int) -> None:
+    def run(self, kind: str, b: int) -> None:
+        base = kind.removesuffix(SAMPLING_SUFFIX)
+        {"rollout": self.rollout, "target_verify": self.verify,
+         "draft_extend": self.draft_extend, FUSED_KIND: self.round}[base](b, base != kind)
+
+    def round(self, b: int, sampled: bool = False) -> None:
         """The whole round, then the staged slots flip to the copies it wrote: the next
         round of the same requests reads them without a staging copy."""
         for kind in self.phase_kinds:
-            self.run(kind, b)
+            self.run(kind + SAMPLING_SUFFIX if sampled else kind, b)
         slots = self.bufs.slots[:b]
         slots.copy_(self.state.other(slots))
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"bufs.{k}": v for k, v in vars(self.bufs).items()}
         out.update({f"state.{k}": v for k, v in vars(self.state).items()})
+        if self.sampling is not None:
+            out.update({f"sampling.{k}": v for k, v in vars(self.sampling).items()})
         return out
 
     def _staged(self, b: int):
@@ -71,38 +86,62 @@ class RoundPhases:
         slots = self.bufs.slots[:b]
         return slots, self.state.row_of(slots)
 
-    def rollout(self, b: int) -> None:
-        """-> bufs.draft_tokens[:B]: candidate 1 and S - 1 NextN decode calls."""
+    def _params(self, rows: torch.Tensor, sampled: bool) -> RowParams | None:
+        return self.sampling.gather(rows) if sampled else None
+
+    def rollout(self, b: int, sampled: bool = False) -> None:
+        """-> bufs.draft_tokens[:B] (and, sampling, q of candidates 2..S): candidate 1
+        and S - 1 NextN decode calls."""
         slots, rows = self._staged(b)
         lengths, _, cand1, seed = self.state.gather(slots)
-        self.bufs.draft_tokens[:b].copy_(
-            phases.rollout(self.m, rows, lengths, cand1, seed, self.num_steps))
+        tokens, q = phases.rollout(self.m, rows, lengths, cand1, seed, self.num_steps,
+                                   self._params(rows, sampled))
+        self.bufs.draft_tokens[:b].copy_(tokens)
+        if q is not None:
+            self.sampling.q[:b, 1:].copy_(q)
 
-    def verify(self, b: int) -> None:
-        """-> bufs.preds[:B], bufs.hidden[:B*N]: one target forward over [bonus, d1..dS]."""
+    def verify(self, b: int, sampled: bool = False) -> None:
+        """One target forward over [bonus, d1..dS], then acceptance -> bufs.accept_lens,
+        bufs.preds (the tokens the round commits, ``preds[:a]``), bufs.hidden[:B*N]."""
         slots, rows = self._staged(b)
         lengths, bonus, cand1, _ = self.state.gather(slots)
         if self.num_steps == 1:  # no rollout: the window is [bonus, candidate 1]
             self.bufs.draft_tokens[:b].copy_(cand1.unsqueeze(1))
-        preds, hidden = phases.verify(self.m, rows, lengths, bonus, self.bufs.draft_tokens[:b])
-        self.bufs.preds[:b].copy_(preds)
+        params = self._params(rows, sampled)
+        drafts = self.bufs.draft_tokens[:b]
+        out, hidden = phases.verify(self.m, rows, lengths, bonus, drafts, params)
         if self.num_steps == 0:  # plain decoding: the next state is the one new token
+            token = out[:, 0] if params is None else params.next_token(out[:, 0], lengths)
             self.bufs.accept_lens[:b].fill_(1)
+            self.bufs.preds[:b, 0].copy_(token)
             nxt = self.state.other(slots)
             self.state.lengths.index_put_((nxt,), lengths + 1)
-            self.state.bonus.index_put_((nxt,), preds[:, 0])
-        else:  # the draft extend pairs each window row with its hidden
-            self.bufs.hidden[: b * self.verify_width].copy_(hidden)
+            self.state.bonus.index_put_((nxt,), token)
+            return
+        if params is None:  # greedy: the target's predictions, a leading-match chain
+            tokens, accept_lens = out, phases.accept(drafts, out)
+        else:  # rejection sampling against the q each candidate was drawn from
+            q = self.sampling.q[:b]
+            # greedy rows never stored q of candidate 1: it is the one-hot of it
+            q[:, 0].copy_(torch.where((params.temperature > 0).unsqueeze(1),
+                                      self.sampling.q1[slots], one_hot(cand1, q.shape[-1])))
+            accept_lens, tokens = speculative_accept(drafts, q, out, params, lengths)
+        self.bufs.preds[:b].copy_(tokens)
+        self.bufs.accept_lens[:b].copy_(accept_lens)
+        self.bufs.hidden[: b * self.verify_width].copy_(hidden)  # for the draft extend
 
-    def draft_extend(self, b: int) -> None:
-        """Accept, draft extend with ``select_index``; the next state goes to the other copy."""
+    def draft_extend(self, b: int, sampled: bool = False) -> None:
+        """Draft extend with ``select_index``; the next state goes to the other copy."""
         slots, rows = self._staged(b)
         n = self.verify_width
         lengths = self.state.gather(slots)[0]
-        preds = self.bufs.preds[:b]
-        accept_lens, bonus = phases.accept(self.bufs.draft_tokens[:b], preds)
-        cand1, seed = phases.draft_extend(self.m, rows, lengths, preds,
-                                          self.bufs.hidden[: b * n], accept_lens)
-        self.bufs.accept_lens[:b].copy_(accept_lens)
+        preds, accept_lens = self.bufs.preds[:b], self.bufs.accept_lens[:b]
+        bonus = preds.gather(1, (accept_lens - 1).unsqueeze(1)).squeeze(1)  # [B]
+        cand1, seed, q1 = phases.draft_extend(self.m, rows, lengths, preds,
+                                              self.bufs.hidden[: b * n], accept_lens,
+                                              self._params(rows, sampled))
         # Commit by length, into the copy the host flips to once the readback succeeded.
-        self.state.store(self.state.other(slots), lengths + accept_lens, bonus, cand1, seed)
+        nxt = self.state.other(slots)
+        self.state.store(nxt, lengths + accept_lens, bonus, cand1, seed)
+        if q1 is not None:
+            self.sampling.q1.index_put_((nxt,), q1)

@@ -14,7 +14,9 @@ Shapes: B requests, W positions per request (a verify window, or 1), V vocab.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,12 +31,14 @@ DRAFT, ACCEPT, RESIDUAL, TARGET = 0, 1, 2, 3
 @dataclass(frozen=True)
 class SamplingParams:
     """Per request. ``temperature`` 0 is greedy decoding (the default, token for token
-    what the engine has always done); ``top_k`` 0 and ``top_p`` 1 switch those off."""
+    what the engine has always done); ``top_k`` 0 and ``top_p`` 1 switch those off.
+    ``seed`` None draws a fresh one per request (``resolved``); the same seed gives the
+    same tokens, whatever shares the batch, on every backend and across runs."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -51,10 +55,59 @@ class SamplingParams:
         if not _integer(k) or k < 0:
             raise InputError(f"{where}: top_k must be an integer >= 0 (0 = off), got "
                              f"{show_value(k)}")
-        if not _integer(s) or not 0 <= s < SEED_LIMIT:
-            raise InputError(f"{where}: seed must be an integer in [0, 2**63), got "
+        if s is not None and (not _integer(s) or not 0 <= s < SEED_LIMIT):
+            raise InputError(f"{where}: seed must be an integer in [0, 2**63) or None, got "
                              f"{show_value(s)}")
-        return SamplingParams(float(t), float(p), int(k), int(s))
+        return SamplingParams(float(t), float(p), int(k), None if s is None else int(s))
+
+    def resolved(self) -> "SamplingParams":
+        """With a seed: a fresh random one where none was given (host entropy, not a
+        global generator), so two unseeded requests sample independently."""
+        if self.seed is not None:
+            return self
+        return SamplingParams(self.temperature, self.top_p, self.top_k, secrets.randbits(63))
+
+
+def request_seed(run_seed: int, index: int) -> int:
+    """Request ``index``'s seed under one run seed (a command's ``--seed``): distinct,
+    uncorrelated seeds (SplitMix64 of the pair), so requests of one run never share the
+    uniforms that one seed would give them all."""
+    x = (run_seed * 0x9E3779B97F4A7C15 + index + 1) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) % SEED_LIMIT
+
+
+GREEDY = SamplingParams(seed=0)
+KEYS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(value: object, where: str) -> SamplingParams:
+    """One request's sampling: None (greedy), a ``SamplingParams`` or a mapping of its
+    fields -> checked and resolved (a seed drawn where none was given)."""
+    if value is None:
+        return GREEDY
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in KEYS]
+        if unknown:
+            raise InputError(f"{where}: unknown sampling key {show_value(unknown[0])} "
+                             f"(known: {', '.join(KEYS)})")
+        value = SamplingParams(**value)
+    if not isinstance(value, SamplingParams):
+        raise InputError(f"{where}: sampling must be a SamplingParams, a mapping of "
+                         f"{', '.join(KEYS)}, or None, got {show_value(value)}")
+    return value.checked(where).resolved()
+
+
+def sampling_per_prompt(value: object, n: int) -> list[SamplingParams]:
+    """``generate``'s ``sampling``: one setting for every prompt, or a list of n (one per
+    prompt, request i is prompt i) -> n checked and resolved parameters."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != n:
+            raise InputError(f"sampling: a list needs one entry per prompt ({n}), got "
+                             f"{len(value)}")
+        return [sampling_params(v, f"request {i}") for i, v in enumerate(value)]
+    return [sampling_params(value, f"request {i}") for i in range(n)]
 
 
 def _real(x: object) -> bool:
@@ -113,6 +166,85 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     out = torch.zeros_like(probs).scatter(-1, order.indices, probs)
     greedy = torch.zeros_like(out).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(t > 0, out, greedy)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """The sampling parameters of a batch's B requests, as tensors (padding rows are
+    greedy): what the phases need to draw their tokens inside a graph."""
+
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    top_p: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    seed: torch.Tensor  # [B] int64
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], device) -> "RowParams":
+        """Host parameters (resolved) -> tensors on ``device``."""
+        def col(name, dtype):
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        return RowParams(col("temperature", torch.float32), col("top_p", torch.float32),
+                         col("top_k", torch.int64), col("seed", torch.int64))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] or [B, W, V] -> each row's filtered distribution, same shape."""
+        shape = logits.shape[:-1]
+
+        def per_row(x):
+            return x.view(-1, *([1] * (len(shape) - 1))).expand(shape)
+        return filtered_probs(logits.float(), per_row(self.temperature), per_row(self.top_k),
+                              per_row(self.top_p))
+
+    def uniform(self, base: torch.Tensor, offsets: torch.Tensor | int,
+                stream: int) -> torch.Tensor:
+        """Uniforms keyed by (seed, round base ``base`` [B], offset, stream): [B] for an
+        int offset, [B, W] for offsets [W]. A round at committed length L draws the
+        token at position L + j with offset j, so no key ever repeats for a request."""
+        if isinstance(offsets, int):
+            return uniform(self.seed.unsqueeze(1), base.unsqueeze(1), offsets, stream)[:, 0]
+        return uniform(self.seed.unsqueeze(1), base.unsqueeze(1), offsets.unsqueeze(0), stream)
+
+    def next_token(self, p: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """Plain sampling: p [B, V] of the token at position L + 1 (round base L [B])
+        -> its draw [B]. The oracle, plain decoding and the prefill's first token."""
+        return draw(p, self.uniform(base, 1, TARGET))
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """tokens [...] -> fp32 one-hot [..., V]: a greedy row's distribution."""
+    return torch.zeros(*tokens.shape, vocab, device=tokens.device).scatter(
+        -1, tokens.unsqueeze(-1), 1.0)
+
+
+def accepted(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """The rejection rule: accept a candidate with probability min(1, p(d) / q(d)), as
+    u * q(d) < p(d) for u in [0, 1) (no division; q(d) > 0, d was drawn from q)."""
+    return u * q_d < p_d
+
+
+def speculative_accept(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                       params: RowParams, base: torch.Tensor):
+    """Speculative sampling of a topk-1 chain: draft_tokens [B, S] drawn from q [B, S, V];
+    the target's p [B, N, V] over the window -> (accept_lens [B], tokens [B, N]).
+
+    Candidate i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first
+    rejection the token is drawn from the normalised residual max(0, p_i - q_i); after a
+    fully accepted chain the bonus is drawn from p_N. tokens[:a] are what the round
+    commits: the accepted candidates, then the residual or bonus draw. Greedy rows
+    (one-hot p and q) give exactly the greedy chain: the target's argmax predictions.
+    """
+    s = draft_tokens.shape[1]
+    offsets = torch.arange(1, s + 1, device=draft_tokens.device)  # token positions L + j
+    d = draft_tokens.unsqueeze(-1)  # [B, S, 1]
+    ok = accepted(params.uniform(base, offsets, ACCEPT), p[:, :s].gather(-1, d).squeeze(-1),
+                  q.gather(-1, d).squeeze(-1))  # [B, S]
+    residual = (p[:, :s] - q).clamp(min=0)
+    # (all zero only by rounding, where p = q and a rejection is impossible anyway)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, :s])
+    fixed = draw(residual, params.uniform(base, offsets, RESIDUAL))  # [B, S]
+    bonus = draw(p[:, s], params.uniform(base, s + 1, TARGET))  # [B]
+    tokens = torch.cat((torch.where(ok, draft_tokens, fixed), bonus.unsqueeze(1)), dim=1)
+    return 1 + ok.long().cumprod(dim=1).sum(dim=1), tokens
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

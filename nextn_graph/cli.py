@@ -126,6 +126,10 @@ def _generate(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> int:
         # Refuse bad prompts before spending time on capture.
         validate_prompts(prompts, models.cfg, cfg.pool.max_context, args.max_new_tokens,
                          lookahead=cfg.speculative.num_steps - 1)
+        sampled = [p.where for p, s in zip(given, sampling) if not s.greedy]
+        if sampled and not cfg.graph.sampling:
+            raise InputError(f"{sampled[0]}: the request samples, but the config sets "
+                             f"graph.sampling: false (greedy graphs only)")
         engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                             progress=sys.stderr.isatty())  # a capture progress bar
         result = engine.generate(prompts, args.max_new_tokens, sampling=sampling)

@@ -238,3 +238,17 @@ def test_spec_mode_samples_the_same_in_graphs_and_eagerly(ckpt, tmp_path, capsys
     assert all(s != g for s, g in zip(_outputs(eager), _outputs(greedy)))
     assert [r["sampling"]["seed"] for r in graphs] == [request_seed(5, 0), 6,
                                                         request_seed(5, 2)]
+
+
+def test_greedy_only_config_refuses_a_sampled_request_before_capture(ckpt, tmp_path, capsys,
+                                                                      monkeypatch):
+    """graph.sampling false: a sampled line is named before any engine is built."""
+    import nextn_graph.cli as cli
+    config = tmp_path / "greedy.yaml"
+    config.write_text("graph:\n  backend: eager\n  sampling: false\n")
+    monkeypatch.setattr(cli, "SpecEngine", None)  # building one would raise a TypeError
+    rc = main(["generate", "--checkpoint", str(ckpt), "--config", str(config), "--prompts",
+               str(_ids_file(tmp_path, {}, {"temperature": 0.5})), "--max-new-tokens", NEW])
+    err = capsys.readouterr().err
+    assert rc == 2 and "p.jsonl:2: the request samples, but the config sets graph.sampling: " \
+                       "false" in err

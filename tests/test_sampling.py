@@ -17,7 +17,7 @@ import torch
 from nextn_graph.errors import InputError
 from nextn_graph.graph.emulator import CpuGraph
 from nextn_graph.runtime.sampling import (ACCEPT, DRAFT, SamplingParams, draw, filtered_probs,
-                                          uniform)
+                                          key_hash, uniform)
 
 
 def chi2_limit(dof: int, z: float = 3.0902) -> float:
@@ -50,6 +50,22 @@ def test_good_parameters_pass_and_zero_temperature_is_greedy():
 
 
 # -- uniforms ----------------------------------------------------------------------------
+
+def test_one_seed_never_gives_two_keys_the_same_hash():
+    """For one seed the hash is injective over keys (positions 0..4095, steps 0..15, the
+    four streams: 262 144 keys, 262 144 distinct 32-bit words), so no two draws of a
+    request are tied together; a second seed gives other words."""
+    pos = torch.arange(4096).view(-1, 1, 1)
+    step = torch.arange(16).view(1, -1, 1)
+    for seed in (0, 2**62 + 12345):
+        hashes = torch.cat([key_hash(torch.tensor(seed), pos, step, s).reshape(-1)
+                            for s in range(4)])
+        assert hashes.numel() == 262144 and hashes.unique().numel() == 262144
+        assert int(hashes.min()) >= 0 and int(hashes.max()) < 2**32
+    a = key_hash(torch.tensor(1), pos, step, 0)
+    b = key_hash(torch.tensor(2), pos, step, 0)
+    assert (a == b).float().mean() < 1e-3
+
 
 def test_uniforms_are_a_function_of_their_key_only():
     """Same (seed, position, step, stream): same value, whatever else is in the batch;

@@ -132,12 +132,29 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, step: int | torch.Tensor,
             stream: int) -> torch.Tensor:
-    """U[0, 1) float32, one per element of the broadcast of ``seed`` [B, 1] (int64) and
-    ``position`` [B, W] (int64): a function of (seed, position, step, stream) only."""
-    lo, hi = seed & MASK32, (seed >> 32) & MASK32
-    key = _mix32((torch.as_tensor(step, device=position.device) * 4 + stream) & MASK32)
-    h = _mix32(lo ^ _mix32(hi ^ _mix32((position & MASK32) ^ key)))
+    """U[0, 1) float32, one per element of the broadcast of ``seed`` [B, 1] (int64),
+    ``position`` [B, W] (int64) and ``step``: a function of (seed, position, step,
+    stream) only (the top 24 bits of ``key_hash``)."""
+    h = key_hash(seed, position, step, stream)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
+
+
+def key_hash(seed: torch.Tensor, position: torch.Tensor, step: int | torch.Tensor,
+             stream: int) -> torch.Tensor:
+    """The 32-bit hash (int64 tensor) behind ``uniform``.
+
+    The key packs into one 32-bit counter, ``position << 8 | step << 2 | stream``
+    (position < 2**24, step < 64, stream < 4), and the value is two rounds of the mix
+    over the counter XOR two words derived from the seed. Each round is a bijection of
+    32-bit words, so for one seed distinct keys never share a value: no two draws of a
+    request are ever tied together, whatever their positions.
+    """
+    lo, hi = seed & MASK32, (seed >> 32) & MASK32
+    k1 = _mix32(lo ^ _mix32(hi ^ 0x3C6EF372))  # [B, 1] the seed's two words
+    k2 = _mix32(k1 ^ 0x9E3779B9)
+    step = torch.as_tensor(step, device=position.device)
+    counter = ((position << 8) | (step << 2) | stream) & MASK32
+    return _mix32(_mix32(counter ^ k1) ^ k2)
 
 
 # -- distributions and draws ---------------------------------------------------------------

@@ -243,10 +243,10 @@ def test_spec_mode_samples_the_same_in_graphs_and_eagerly(ckpt, tmp_path, capsys
 def test_greedy_only_config_refuses_a_sampled_request_before_capture(ckpt, tmp_path, capsys,
                                                                       monkeypatch):
     """graph.sampling false: a sampled line is named before any engine is built."""
-    import nextn_graph.cli as cli
+    import nextn_graph.generate_command as command
     config = tmp_path / "greedy.yaml"
     config.write_text("graph:\n  backend: eager\n  sampling: false\n")
-    monkeypatch.setattr(cli, "SpecEngine", None)  # building one would raise a TypeError
+    monkeypatch.setattr(command, "SpecEngine", None)  # building one would raise a TypeError
     rc = main(["generate", "--checkpoint", str(ckpt), "--config", str(config), "--prompts",
                str(_ids_file(tmp_path, {}, {"temperature": 0.5})), "--max-new-tokens", NEW])
     err = capsys.readouterr().err

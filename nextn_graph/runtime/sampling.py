@@ -152,7 +152,8 @@ def key_hash(seed: torch.Tensor, position: torch.Tensor, step: int | torch.Tenso
     lo, hi = seed & MASK32, (seed >> 32) & MASK32
     k1 = _mix32(lo ^ _mix32(hi ^ 0x3C6EF372))  # [B, 1] the seed's two words
     k2 = _mix32(k1 ^ 0x9E3779B9)
-    step = torch.as_tensor(step, device=position.device)
+    # (an int step stays a kernel scalar: a host-made tensor would be a host->device
+    # copy inside a CUDA capture)
     counter = ((position << 8) | (step << 2) | stream) & MASK32
     return _mix32(_mix32(counter ^ k1) ^ k2)
 

@@ -181,7 +181,7 @@ def test_ctrl_c_is_held_until_the_renames_are_done():
 
 @pytest.mark.parametrize("command, argv", [
     ("_bench", ["bench"]),
-    ("_generate", ["generate", "--checkpoint", "builtin:tiny-trained", "--prompts", "p.jsonl",
+    ("run_generate", ["generate", "--checkpoint", "builtin:tiny-trained", "--prompts", "p.jsonl",
                    "--max-new-tokens", "2"]),
     ("_demo", ["demo"]),
     ("make_checkpoint", ["make-checkpoint", "--out", "ckpt"]),

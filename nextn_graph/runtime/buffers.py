@@ -112,17 +112,19 @@ class SamplingTables:
     top_p: torch.Tensor  # [R] fp32
     top_k: torch.Tensor  # [R] int64, 0 = off
     seed: torch.Tensor  # [R] int64, the request's sampling seed
-    q1: torch.Tensor  # [2R, V] q of candidate 1, by slot (meaningful for sampled rows)
-    q: torch.Tensor  # [Bmax, max(S, 1), V] this round's q of candidates 1..S
+    q1: torch.Tensor  # [2R, V] q of candidate 1 by slot (sampled rows); [0, V] plain
+    q: torch.Tensor  # [Bmax, S, V] this round's q of candidates 1..S; [0, 1, V] plain
 
     @staticmethod
     def allocate(rows: int, max_batch: int, num_steps: int, vocab: int,
                  device) -> "SamplingTables":
         f32, long = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        draft = num_steps > 0  # plain decoding has no draft: no q to keep (empty tables)
         return SamplingTables(torch.zeros(rows, **f32), torch.ones(rows, **f32),
                               torch.zeros(rows, **long), torch.zeros(rows, **long),
-                              torch.zeros(2 * rows, vocab, **f32),
-                              torch.zeros(max_batch, max(num_steps, 1), vocab, **f32))
+                              torch.zeros(2 * rows if draft else 0, vocab, **f32),
+                              torch.zeros(max_batch if draft else 0, max(num_steps, 1), vocab,
+                                          **f32))
 
     def store(self, rows: torch.Tensor, params: RowParams) -> None:
         """Admission: the parameters of pool rows [B] (never row 0)."""

@@ -160,7 +160,14 @@ def stored_state(models: LoadedModel, quantize: str = "none") -> dict[str, torch
             state[key], state[base + ".scale"] = quantize_weight(value, fmt)
         else:
             state[key] = value.to(storage_dtype(key)).contiguous()
+        state[key] = _own(state[key])
     return state
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a storage of its own: a routed expert's tensor is a slice of its
+    projection's stack (``model/experts.py``), and safetensors refuses shared memory."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def _write_files(models: LoadedModel, root: Path, max_shard_bytes: int | None,

@@ -1,4 +1,4 @@
-"""Command line: ``nextn-graph {bench,demo,make-checkpoint,generate}``.
+"""Command line: ``nextn-graph {bench,demo,make-checkpoint,generate,profile}``.
 
 Every library error becomes one line on stderr naming what was wrong, and exit
 status 2; Ctrl-C becomes ``nextn-graph: interrupted`` and exit status 130. No
@@ -28,6 +28,7 @@ from .parallel.follower import serve, shutdown
 from .parallel.group import TPGroup
 from .parallel.launch import close_group, group_from_env, load_on_ranks, spawn
 from .presets import PRESETS, preset_config
+from .profile import add_profile_options, run_profile
 from .runtime.engine import SpecEngine
 from .tokenizer import byte_level_tokenizer, write_tokenizer
 from .train import TRAINED_PRESET, make_trained
@@ -240,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(gen)
     _add_threads(gen)
     _add_tp(gen)
+    prof = sub.add_parser("profile", help="work profile of one speculative round on the meta "
+                                          "device: kernels, bytes, FLOPs, roofline projection")
+    add_profile_options(prof, POSITIVE, NON_NEGATIVE)
+    _add_threads(prof)
     return parser
 
 
@@ -267,6 +272,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.command == "demo":
         return _demo(args)
+    if args.command == "profile":
+        _pin_threads(args.threads, "cpu")  # meta tensors: the work is the host's
+        return run_profile(args)
     if args.command is None:
         argv = ["bench"]
         args = build_parser().parse_args(argv)

@@ -61,7 +61,22 @@ FLASH_SLICE = {
     "bos_token_id": 0, "eos_token_id": 1,
 }
 
-PRESETS = {"tiny": TINY, "flash-slice": FLASH_SLICE}
+# DeepSeek-V4-Flash at the released config (HF deepseek-ai/DeepSeek-V4-Flash config.json):
+# FLASH_SLICE's widths with all 43 layers, 256 routed experts, 3 hash layers and
+# max_position_embeddings 1048576. compress_ratios as the release lists them (44 entries):
+# layers 0 and 1 SWA, then C4 on the even layers 2..42 (21) and C128 on the odd layers
+# 3..41 (20), then 0 for the NextN layer. About 284 B parameters: never built with memory
+# (``check_model_fits`` refuses it on any ordinary host); ``nextn-graph profile`` builds it
+# on the meta device, with max_position_embeddings cut to the pool's max_context (the RoPE
+# tables are built on the host per layer at that length; their rows do not depend on it).
+V4_FLASH = {
+    **FLASH_SLICE,
+    "num_hidden_layers": 43, "n_routed_experts": 256, "num_hash_layers": 3,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "max_position_embeddings": 1048576,
+}
+
+PRESETS = {"tiny": TINY, "flash-slice": FLASH_SLICE, "v4-flash": V4_FLASH}
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -1,11 +1,12 @@
 """The bench's Markdown report (``bench.md``): the table, the round modes, the
-per-round trace, the cost model, greedy vs sampling, the capture, and what the JSON's
-keys hold."""
+per-round trace, the cost model, greedy vs sampling, the capture, the work profile, and
+what the JSON's keys hold."""
 
 from __future__ import annotations
 
 from .tables import (EAGER_NOTE, MODES, TRACE_MODES, cell, header, rows, summary_lines,
                      trace_order, trace_verdict)
+from .work import profile_section
 
 
 def markdown(report: dict) -> str:
@@ -37,6 +38,8 @@ Spread of the repeat medians (max - min over median): {noise}.
 {_sampling_section(report)}
 
 {_capture_section(report)}
+
+{profile_section(report)}
 
 ![round latency](round_latency.png) ![submissions](submissions.png)
 ![speed-up vs acceptance](speedup_vs_acceptance.png) ![round modes](round_modes.png)
@@ -97,7 +100,11 @@ JSON_KEYS = """## JSON keys (per bucket, `buckets[i]`)
 - Top level, `sampling`: `temperature`, `top_p`, `top_k`, `seed`, and `greedy` /
   `sampled` (`e2e` / `e2e_sampled` over buckets): `acceptance_length` (mean),
   `latency_ratio` and `throughput_ratio` (geometric means); null with
-  `bench.temperature` 0."""
+  `bench.temperature` 0.
+- Top level, `profile`: the JSON of `nextn-graph profile` for this config at its largest
+  bucket (see `docs/profile.md`): `kernels_per_round`, `bytes_per_round`,
+  `flops_per_round`, `ideal_bytes_per_round`, `projected_ms`, `ideal_ms` (a roofline
+  projection), `phases`, `modules`, `top_ops`, `config`."""
 
 
 def _modes_section(report: dict) -> str:

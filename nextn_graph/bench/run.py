@@ -20,6 +20,7 @@ from .e2e import bench_temperature, sampling_summary
 from .engines import build_engines
 from .measure import BenchSettings, bench_bucket, bench_prompts
 from .report import check_outputs, write_outputs
+from .work import bench_profile
 
 
 def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
@@ -117,6 +118,8 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
         "sampling": sampling_summary(results, temperature),
         # eager runs each batch at its real size: nothing is padded
         "padding": padding_waste(buckets, cfg.pool.max_requests) if engines.has_graphs else None,
+        # nextn-graph profile of this config at its largest bucket (meta device)
+        "profile": bench_profile(cfg, models, where),
         "wall_s": time.perf_counter() - start,
     }
     write_outputs(report, out_dir, json_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from .work import profile_lines
+
 HEADER = ("bucket", "NextN fwd", "eager subm", "graph subm", "replays", "subm ratio",
           "eager ms", "graph ms", "graph/eager", "acc len", "spec/plain")
 # the speculative round per graph mode (graph = the config's engine: fused where its round
@@ -207,7 +209,8 @@ def summary_lines(report: dict) -> list[str]:
             f"speculative vs plain on {s['backend']}: {sv['speedup']:.2f}x at acceptance "
             f"length {sv['acceptance_length']:.2f} (strict draft acceptance "
             f"{sv['draft_acceptance_rate']:.2f})", *_modes_line(report),
-            *_trace_line(report), *_cost_line(report), *_sampling_line(report)]
+            *_trace_line(report), *_cost_line(report), *_sampling_line(report),
+            *profile_lines(report)]
 
 
 def table(report: dict) -> str:

@@ -51,22 +51,19 @@ class RoundCounter(Protocol):
     def launches(self) -> int: ...
 
 
-class OpCounter(TorchDispatchMode):
-    method = "kernel-launching aten ops"
+def launches_kernel(func) -> bool:
+    """The counting rule of ``OpCounter`` (and of ``nextn_graph.profile``): an aten op
+    reaching the dispatcher launches a kernel unless it is a pure view."""
+    return not func.is_view
+
+
+class PhasedMode(TorchDispatchMode):
+    """A dispatch mode that knows the phase marked around each op (``phase(kind)``),
+    ``OUTSIDE_PHASES`` where none is."""
 
     def __init__(self):
         super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.views = 0
-        self.per_phase: Counter[str] = Counter()
         self._phase = OUTSIDE_PHASES
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        self.views += func.is_view
-        if not func.is_view:
-            self.per_phase[self._phase] += 1
-        return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager
     def phase(self, kind: str) -> Iterator[None]:
@@ -75,6 +72,24 @@ class OpCounter(TorchDispatchMode):
             yield
         finally:
             self._phase = outer
+
+
+class OpCounter(PhasedMode):
+    method = "kernel-launching aten ops"
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.views = 0
+        self.per_phase: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        kernel = launches_kernel(func)
+        self.views += not kernel
+        if kernel:
+            self.per_phase[self._phase] += 1
+        return func(*args, **(kwargs or {}))
 
     @property
     def launches(self) -> int:

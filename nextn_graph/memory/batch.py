@@ -67,3 +67,63 @@ class ForwardBatch:
         at most n // ratio + 1, and the n // ratio sum to at most T // ratio."""
         t = self.num_rows
         return t if self.num_chunks is None else min(t, t // ratio + self.num_chunks)
+
+
+class ForwardPlan:
+    """What the layers of one forward derive from its ``ForwardBatch`` alone, computed once.
+
+    Slot arithmetic, key masks, block closers and RoPE rotations depend on the batch and a
+    static size (a ring's length, a ratio, a width), never on the layer: computed per layer,
+    a 43-layer forward repeated them 43 times. ``memo(key, make)`` runs ``make`` on the
+    first ask for ``key`` and hands every later ask the same tensors.
+
+    Make one per forward, inside it (the models' ``forward`` do): everything it holds is
+    computed by ops of that forward from the batch's tensors, so a graph capture records
+    them and a replay recomputes them from the new batch. A plan kept across forwards, or
+    made before a capture began, would hand the graph stale tensors.
+
+    ``row_ids`` [K]: a plan of some rows of a forward (``block_closers``), whose chunk
+    tensors still have ``forward_rows`` rows.
+    """
+
+    def __init__(self, batch: ForwardBatch, row_ids: torch.Tensor | None = None,
+                 forward_rows: int | None = None):
+        self.batch = batch
+        self.row_ids = row_ids
+        self.forward_rows = batch.num_rows if forward_rows is None else forward_rows
+        self._memo: dict = {}
+
+    def memo(self, key, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def row_index(self) -> torch.Tensor:
+        """[K] the forward's row of each of this plan's rows."""
+        if self.row_ids is not None:
+            return self.row_ids
+        return self.memo("row_index", lambda: torch.arange(
+            self.batch.num_rows, device=self.batch.positions.device))
+
+    def block_closers(self, ratio: int) -> "ForwardPlan":
+        """The plan of a static number K of rows that includes every row closing a block
+        (``(p+1) % ratio == 0``): closers first in row order, then other rows in row order
+        as padding (``ForwardBatch.max_block_closers`` bounds K)."""
+        def make() -> ForwardPlan:
+            b = self.batch
+            t, k = b.num_rows, b.max_block_closers(ratio)
+            closes = (b.positions + 1) % ratio == 0  # [T]
+            # A unique key per row: closers above the rest, lower rows above higher ones,
+            # so the top k are exactly what a stable sort on ~closes puts first.
+            key = torch.add(torch.arange(t - 1, -1, -1, device=closes.device), closes, alpha=t)
+            sel = key.topk(k).indices  # [K], sorted by key: the stable order
+            rows = sel if self.row_ids is None else self.row_ids[sel]
+            return ForwardPlan(b.select(sel), rows, self.forward_rows)
+        return self.memo(("block_closers", ratio), make)
+
+    def finished_entries(self, ratio: int, n: int) -> torch.Tensor:
+        """[T, n] bool: entry j of each row's request is a finished block, ``j < (p+1)//ratio``."""
+        def make() -> torch.Tensor:
+            p = self.batch.positions
+            return torch.arange(n, device=p.device) < ((p + 1) // ratio).unsqueeze(1)
+        return self.memo(("finished_entries", ratio, n), make)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import CapacityError
-from .batch import ForwardBatch
+from .batch import ForwardPlan
 
 if TYPE_CHECKING:  # model imports memory: a runtime import here would be circular
     from ..model.config import ModelConfig
@@ -44,6 +44,29 @@ class PoolLayout:
         return self.max_requests + 1
 
 
+@dataclass(frozen=True)
+class RingIndex:
+    """Where the ``span`` keys ending at each row of a plan are: in a ring of ``size``
+    positions, or among this forward's chunk rows. It depends on the batch and the ring's
+    size only, so a forward computes it once per (size, span) and every layer reuses it
+    (``Ring.index``)."""
+
+    slot: torch.Tensor  # [K, span] ring row of each key's position (clamped at 0)
+    chunk_row: torch.Tensor  # [K, span] the forward's row holding each key (clamped)
+    from_ring: torch.Tensor  # [K, span, 1] bool: the key precedes the row's cache_start
+    valid: torch.Tensor  # [K, span] bool: the key's position is >= 0
+
+    @staticmethod
+    def of(plan: ForwardPlan, size: int, span: int) -> "RingIndex":
+        b = plan.batch
+        offsets = torch.arange(1 - span, 1, device=b.positions.device)  # [span]
+        key_pos = b.positions.unsqueeze(1) + offsets  # [K, span]
+        slot = b.req_index.unsqueeze(1) * size + key_pos.clamp(min=0) % size
+        chunk_row = (plan.row_index().unsqueeze(1) + offsets).clamp(0, plan.forward_rows - 1)
+        from_ring = (key_pos < b.cache_start.unsqueeze(1)).unsqueeze(-1)
+        return RingIndex(slot, chunk_row, from_ring, key_pos >= 0)
+
+
 @dataclass
 class Ring:
     """Per-request position-indexed ring: ``data`` [rows * size, F]."""
@@ -51,32 +74,30 @@ class Ring:
     data: torch.Tensor
     size: int
 
-    def gather_recent(self, chunk: torch.Tensor, batch: ForwardBatch, span: int,
-                      row_ids: torch.Tensor | None = None):
+    def index(self, plan: ForwardPlan, span: int) -> RingIndex:
+        return plan.memo(("ring_index", self.size, span),
+                         lambda: RingIndex.of(plan, self.size, span))
+
+    def gather_recent(self, chunk: torch.Tensor, plan: ForwardPlan,
+                      span: int) -> tuple[torch.Tensor, RingIndex]:
         """The ``span`` positions ending at each row's own: from the ring for positions
         before the row's ``cache_start``, else from this forward's ``chunk`` rows.
 
-        chunk: [T, F]; batch: the K rows asked about, which are ``row_ids`` [K] of the
-        forward (default: all T rows) -> (values [K, span, F], key_pos [K, span]);
-        key_pos < 0 is invalid.
+        chunk: [T, F], the whole forward's rows; plan: the K rows asked about (all T, or a
+        ``ForwardPlan.block_closers`` plan) -> (values [K, span, F], its ``RingIndex``,
+        whose ``valid`` marks keys at positions >= 0).
         """
-        t = chunk.shape[0]
-        if row_ids is None:
-            row_ids = torch.arange(t, device=chunk.device)
-        offsets = torch.arange(span, device=chunk.device) - (span - 1)  # [span]
-        key_pos = batch.positions.unsqueeze(1) + offsets  # [K, span]
-        safe_pos = key_pos.clamp(min=0)
-        slot = batch.req_index.unsqueeze(1) * self.size + safe_pos % self.size  # [K, span]
-        rows = row_ids.unsqueeze(1) + offsets  # the forward's row holding each key
-        from_ring = (key_pos < batch.cache_start.unsqueeze(1)).unsqueeze(-1)  # [K, span, 1]
-        values = torch.where(from_ring, self.data[slot], chunk[rows.clamp(0, t - 1)])
-        return values, key_pos
+        idx = self.index(plan, span)
+        return torch.where(idx.from_ring, self.data[idx.slot], chunk[idx.chunk_row]), idx
 
-    def write(self, chunk: torch.Tensor, batch: ForwardBatch) -> None:
+    def write(self, chunk: torch.Tensor, plan: ForwardPlan) -> None:
         """Store each row at its position; rows older than the ring keeps go to slot 0."""
-        keep = batch.positions >= batch.seq_end - self.size
-        slot = batch.req_index * self.size + batch.positions % self.size
-        self.data.index_copy_(0, torch.where(keep, slot, torch.zeros_like(slot)), chunk)
+        def make() -> torch.Tensor:
+            b = plan.batch
+            keep = b.positions >= b.seq_end - self.size
+            slot = b.req_index * self.size + b.positions % self.size
+            return slot * keep  # slot 0 where not kept
+        self.data.index_copy_(0, plan.memo(("ring_write", self.size), make), chunk)
 
 
 @dataclass
@@ -87,20 +108,27 @@ class CompressedCache:
     entries: torch.Tensor  # [rows * per_request, d]
     per_request: int  # entries per request = max_context // ratio
 
-    def write_entries(self, entry: torch.Tensor, batch: ForwardBatch, ratio: int) -> None:
-        """Rows closing a block (``(p+1) % ratio == 0``) store entry ``(p+1)//ratio - 1``."""
-        closes = (batch.positions + 1) % ratio == 0
-        slot = batch.req_index * self.per_request + (batch.positions + 1) // ratio - 1
-        self.entries.index_copy_(0, torch.where(closes, slot, torch.zeros_like(slot)), entry)
+    def write_entries(self, entry: torch.Tensor, plan: ForwardPlan, ratio: int) -> None:
+        """Rows closing a block (``(p+1) % ratio == 0``) store entry ``(p+1)//ratio - 1``;
+        ``entry`` [K, d] holds one entry per row of ``plan``, the others go to slot 0."""
+        def make() -> torch.Tensor:
+            b = plan.batch
+            closes = (b.positions + 1) % ratio == 0
+            slot = b.req_index * self.per_request + (b.positions + 1) // ratio - 1
+            return slot * closes  # slot 0 for rows closing no block
+        slot = plan.memo(("entry_write", self.per_request, ratio), make)
+        self.entries.index_copy_(0, slot, entry)
 
-    def select_entries(self, batch: ForwardBatch, idx: torch.Tensor) -> torch.Tensor:
-        """Entries ``idx`` [T, k] of each row's request: [T, k, d]."""
-        return self.entries[batch.req_index.unsqueeze(1) * self.per_request + idx]
+    def _by_request(self) -> torch.Tensor:
+        return self.entries.view(-1, self.per_request, self.entries.shape[-1])
 
-    def request_entries(self, batch: ForwardBatch) -> torch.Tensor:
+    def select_entries(self, plan: ForwardPlan, idx: torch.Tensor) -> torch.Tensor:
+        """Entries ``idx`` [T, k] of each row's request: [T, k, d] (one gather)."""
+        return self._by_request()[plan.batch.req_index.unsqueeze(1), idx]
+
+    def request_entries(self, plan: ForwardPlan) -> torch.Tensor:
         """All entry slots of each row's request: [T, per_request, d]."""
-        view = self.entries.view(-1, self.per_request, self.entries.shape[-1])
-        return view[batch.req_index]
+        return self._by_request()[plan.batch.req_index]
 
 
 @dataclass

@@ -6,6 +6,10 @@ blocks ``j < (p+1)//128``; for ratio 4 the lightning indexer's top-k of the
 finished blocks; none for ratio 0. One softmax covers both parts and a per-head
 attention sink. RoPE is interleaved on the last ``qk_rope_head_dim`` dims and
 undone on the output before the grouped low-rank output projection.
+
+The cached path takes what depends on the batch alone (ring slots, key masks as
+additive biases, RoPE rotations) from the forward's ``ForwardPlan``: computed by
+the first layer that asks, reused by the others.
 """
 
 from __future__ import annotations
@@ -13,20 +17,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..memory.batch import ForwardBatch
+from ..memory.batch import ForwardPlan
 from ..memory.pool import LayerCache
 from ..parallel.group import TPGroup
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
-from .ops import RMSNorm, RopeTable, apply_rope, rms_norm, sink_attention
-from .quant import linear_weight
+from .ops import RMSNorm, RopeTable, apply_rope, mask_bias, rms_norm, sink_attention
+from .quant import grouped_linear
 
 
 class Attention(nn.Module):
     """Under tensor parallelism a rank holds its heads (``wq_b``, ``attn_sink``) and their
-    output groups (``wo_a``, ``wo_b``'s columns); the one K=V head is replicated."""
+    output groups (``wo_a``, ``wo_b``'s columns); the one K=V head is replicated.
 
-    def __init__(self, cfg: ModelConfig, ratio: int, tp: TPGroup):
+    ``rope``: the model's table for this kind of layer (``RopeTables.for_ratio``), shared
+    with the other layers of the kind and owned (registered) by the model."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, tp: TPGroup, rope: RopeTable):
         super().__init__()
         self.ratio, self.tp = ratio, tp
         _, self.n_heads = tp.part(cfg.num_attention_heads, "num_attention_heads")  # local
@@ -34,7 +41,6 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.window = cfg.sliding_window
         self.o_rank = cfg.o_lora_rank
-        self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
         self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
@@ -49,52 +55,66 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, ratio, self.head_dim)
         if ratio == 4:
             self.indexer = Indexer(cfg, ratio, tp)
-        self.rope = RopeTable(cfg, compressed=ratio > 0)
+        self._rope = (rope,)  # a tuple: not a submodule of every layer
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+    @property
+    def rope(self) -> RopeTable:
+        return self._rope[0]
+
+    def _project(self, x: torch.Tensor, rot: torch.Tensor):
         """x: [T, D] -> (q [T, H, hd], kv [T, hd], qr [T, q_lora]) with RoPE applied."""
-        cos, sin = self.rope.lookup(positions)
         qr = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), self.eps)
-        kv = self.kv_norm(self.wkv(x))
-        return apply_rope(q, cos, sin), apply_rope(kv, cos, sin), qr
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
+        # q's weightless per-head norm and kv_norm as one RMS over H+1 rows (one eps,
+        # rms_norm_eps), kv_norm's weight on the kv row, one RoPE for all: the same
+        # values as norming and rotating q and kv apart, in fewer kernels
+        heads = rms_norm(torch.cat((q, self.wkv(x).unsqueeze(1)), dim=1), self.kv_norm.eps_tensor)
+        heads[:, -1].mul_(self.kv_norm.weight)
+        heads = apply_rope(heads, rot)  # [T, H+1, hd]
+        return heads[:, :-1], heads[:, -1], qr
 
-    def _output(self, q, keys, valid, positions) -> torch.Tensor:
+    def _output(self, q, keys, bias, rot) -> torch.Tensor:
         """Attend, undo RoPE, grouped low-rank output: -> [T, D]. H, G: this rank's."""
-        o = sink_attention(q, keys, valid, self.attn_sink, self.scale)  # [T, H, hd]
-        o = apply_rope(o, *self.rope.lookup(positions), inverse=True)
-        o = o.reshape(o.shape[0], self.n_groups, -1)  # [T, G, H*hd/G]
-        wo_a = linear_weight(self.wo_a, o.dtype).view(self.n_groups, self.o_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o, wo_a)  # [T, G, o_rank]
+        o = sink_attention(q, keys, bias, self.attn_sink, self.scale)  # [T, H, hd]
+        o = apply_rope(o, rot, inverse=True)
+        t = o.shape[0]
+        o = o.view(t, self.n_groups, -1).transpose(0, 1)  # [G, T, H*hd/G]
+        o = grouped_linear(self.wo_a, o)  # [G, T, o_rank]: each group's projection
+        o = o.transpose(0, 1).contiguous().view(t, -1)  # [T, G*o_rank]
         if not self.tp.parallel:
-            return self.wo_b(o.flatten(1))
-        y = self.wo_b(o.flatten(1)).float()  # [T, D], this rank's groups' part
+            return self.wo_b(o)
+        y = self.wo_b(o).float()  # [T, D], this rank's groups' part
         return self.tp.all_reduce(y).to(o.dtype)  # summed in fp32, as the reference does
 
-    def cached(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        q, kv, qr = self._project(x, batch.positions)
-        keys, key_pos = cache.swa.gather_recent(kv, batch, self.window)  # [T, W, hd]
-        valid = key_pos >= 0
-        cache.swa.write(kv, batch)
-        if self.ratio:
-            self.compressor.cached(x, batch, cache.compressed, self.rope)
-            if self.ratio == 4:  # only the indexer's top-k entries are read
-                idx, picked = self.indexer.cached(x, qr, batch, cache.index, self.rope)
-                entries = cache.compressed.select_entries(batch, idx)  # [T, k, hd]
-            else:
-                entries = cache.compressed.request_entries(batch)  # [T, E, hd]
-                n = entries.shape[1]
-                picked = torch.arange(n, device=x.device).unsqueeze(0) < (
-                    (batch.positions + 1) // self.ratio).unsqueeze(1)  # [T, E]
-            keys = torch.cat((keys, entries), dim=1)
-            valid = torch.cat((valid, picked), dim=1)
-        return self._output(q, keys, valid, batch.positions)
+    def cached(self, x: torch.Tensor, plan: ForwardPlan, cache: LayerCache) -> torch.Tensor:
+        rot = self.rope.at(plan, self.head_dim)
+        q, kv, qr = self._project(x, rot)
+        keys, ring = cache.swa.gather_recent(kv, plan, self.window)  # [T, W, hd]
+        cache.swa.write(kv, plan)
+        window_key = ("window_bias", cache.swa.size, self.window, x.dtype)
+        window_bias = plan.memo(window_key, lambda: mask_bias(ring.valid, x.dtype))  # [T, W]
+        if not self.ratio:
+            return self._output(q, keys, window_bias, rot)
+        self.compressor.cached(x, plan, cache.compressed, self.rope)
+        n = cache.compressed.per_request
+        entry_bias = plan.memo(("entry_bias", self.ratio, n, x.dtype), lambda: mask_bias(
+            plan.finished_entries(self.ratio, n), x.dtype))  # [T, E]
+        if self.ratio == 4:  # only the indexer's top-k entries are read
+            idx = self.indexer.cached(x, qr, plan, cache.index, self.rope)  # [T, k]
+            entries = cache.compressed.select_entries(plan, idx)  # [T, k, hd]
+            bias = torch.cat((window_bias, entry_bias.gather(1, idx)), dim=1)
+        else:  # every entry slot of the request, unfinished ones masked
+            entries = cache.compressed.request_entries(plan)  # [T, E, hd]
+            bias = plan.memo(window_key + (self.ratio, n), lambda: torch.cat(
+                (window_bias, entry_bias), dim=1))  # [T, W + E]
+        return self._output(q, torch.cat((keys, entries), dim=1), bias, rot)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """Whole sequence, no cache (the oracle): x [S, D] -> [S, D]."""
         s = x.shape[0]
         positions = torch.arange(s, device=x.device)
-        q, kv, qr = self._project(x, positions)
+        rot = self.rope.rotation(positions, self.head_dim)
+        q, kv, qr = self._project(x, rot)
         dist = positions.unsqueeze(1) - positions.unsqueeze(0)  # [S, S] query minus key
         valid = (dist >= 0) & (dist < self.window)
         keys = kv
@@ -109,4 +129,4 @@ class Attention(nn.Module):
                 finished = finished & chosen
             keys = torch.cat((kv, entries), dim=0)
             valid = torch.cat((valid, finished), dim=1)
-        return self._output(q, keys.expand(s, -1, -1), valid, positions)
+        return self._output(q, keys.expand(s, -1, -1), mask_bias(valid, x.dtype), rot)

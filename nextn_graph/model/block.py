@@ -5,21 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..memory.batch import ForwardBatch
+from ..memory.batch import ForwardPlan
 from ..memory.pool import LayerCache
 from ..parallel.group import TPGroup
 from .attention import Attention
 from .config import ModelConfig
-from .mhc import hc_post, hc_pre
+from .mhc import HcConstants, hc_post, hc_pre
 from .moe import MoE
-from .ops import RMSNorm
+from .ops import RMSNorm, RopeTable
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int, hashed: bool, tp: TPGroup):
+    """``rope``: the model's RoPE table for this layer's kind (``RopeTables.for_ratio``)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, hashed: bool, tp: TPGroup,
+                 rope: RopeTable):
         super().__init__()
         self.cfg = cfg
-        self.attn = Attention(cfg, ratio, tp)
+        self.attn = Attention(cfg, ratio, tp, rope)
         self.ffn = MoE(cfg, hashed, tp)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -29,21 +32,27 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
 
-    def _pre(self, x: torch.Tensor, part: str):
+    def _pre(self, x: torch.Tensor, part: str, consts: HcConstants | None = None):
         cfg = self.cfg
         return hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                       getattr(self, f"hc_{part}_base"), cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                      cfg.rms_norm_eps)
+                      cfg.rms_norm_eps, consts)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, attend,
+                consts: HcConstants | None = None) -> torch.Tensor:
         """x: [T, hc, D] streams -> [T, hc, D]; ``attend(normed [T, D]) -> [T, D]``."""
-        h, post, comb = self._pre(x, "attn")
+        if consts is None:
+            consts = HcConstants.make(self.cfg.hc_mult, self.cfg.hc_eps, x.device)
+        h, post, comb = self._pre(x, "attn", consts)
         x = hc_post(attend(self.attn_norm(h)), x, post, comb)
-        h, post, comb = self._pre(x, "ffn")
+        h, post, comb = self._pre(x, "ffn", consts)
         return hc_post(self.ffn(self.ffn_norm(h), input_ids), x, post, comb)
 
-    def cached(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        return self(x, batch.input_ids, lambda h: self.attn.cached(h, batch, cache))
+    def cached(self, x: torch.Tensor, plan: ForwardPlan, cache: LayerCache) -> torch.Tensor:
+        cfg = self.cfg
+        consts = plan.memo(("hc_constants", cfg.hc_mult, cfg.hc_eps), lambda: HcConstants.make(
+            cfg.hc_mult, cfg.hc_eps, x.device))  # shared by every layer of the forward
+        return self(x, plan.batch.input_ids, lambda h: self.attn.cached(h, plan, cache), consts)
 
     def dense(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return self(x, input_ids, self.attn.dense)

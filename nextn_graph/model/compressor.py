@@ -8,7 +8,9 @@ j pools the first half-channels of block j-1 with the second half of block j
 
 Two data paths share the math: ``cached`` (rows of a forward, raw state from a
 per-position ring, entries written to the pool) and ``dense`` (one whole
-sequence, no cache: the oracle).
+sequence, no cache: the oracle). What the cached path derives from the batch
+alone (block closers, ring slots, masks, rotations) comes from the forward's
+``ForwardPlan``, computed once for all layers.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..memory.batch import ForwardBatch
+from ..memory.batch import ForwardPlan
 from ..memory.pool import CompressedCache
 from ..parallel.group import TPGroup
 from .config import ModelConfig
-from .ops import RMSNorm, RopeTable, apply_rope, pool_softmax
+from .ops import RMSNorm, RopeTable, apply_rope, mask_bias
 
 
 class Compressor(nn.Module):
@@ -40,56 +42,103 @@ class Compressor(nn.Module):
         """Positions one entry pools: 2*ratio with overlap, else ratio."""
         return self.coff * self.ratio
 
-    def raw(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] -> [T, 2*coff*d]: values, then gate scores with the position bias."""
-        score = self.wgate(x) + self.ape[positions % self.ratio].to(x.dtype)
-        return torch.cat((self.wkv(x), score), dim=-1)
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> [T, 2*coff*d]: values, then gate scores. The position bias ``ape``
+        is added at pooling, where a candidate's phase ``p % ratio`` is its place in
+        the block: a static pattern, not a gather per row."""
+        return torch.cat((self.wkv(x), self.wgate(x)), dim=-1)
 
-    def _pool(self, cand: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """cand: [..., span, 2*coff*d], valid: [..., span] -> pooled [..., d]."""
-        kv, score = cand.chunk(2, dim=-1)  # [..., span, coff*d] each
+    def _pool(self, cand: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """cand: [K, span, 2*coff*d], the ``raw`` rows of the span positions ending at
+        each row's block end -> pooled [K, d]. bias: [K, span] (-inf: no such position),
+        or None where every candidate exists (C128 blocks never start before 0)."""
+        k, d, r = cand.shape[0], self.head_dim, self.ratio
         if self.coff == 2:  # earlier block: first half-channels; own block: second half
-            d, r = self.head_dim, self.ratio
-            kv = torch.cat((kv[..., :r, :d], kv[..., r:, d:]), dim=-2)  # [..., 2r, d]
-            score = torch.cat((score[..., :r, :d], score[..., r:, d:]), dim=-2)
-        score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
-        return pool_softmax(kv, score)
+            # [K, block, r, value|score, half, d]: the half equal to the block, as a view
+            sel = cand.view(k, 2, r, 2, 2, d).diagonal(dim1=1, dim2=4)  # [K, r, 2, d, block]
+            sel = sel.permute(0, 4, 1, 2, 3)  # [K, block, r, value|score, d]
+            ape = self.ape.view(r, 2, d).transpose(0, 1)  # [block (= half), r, d]
+        else:
+            sel = cand.view(k, 1, r, 2, d)
+            ape = self.ape.view(1, r, d)
+        kv, score = sel.unbind(dim=3)  # [K, coff, r, d] each
+        score = score + ape.to(score.dtype)  # candidate j of a block has phase j
+        if bias is not None:
+            score = score + bias.view(k, self.coff, r, 1)
+        weights = score.reshape(k, self.span, d).softmax(dim=1).view(k, self.coff, r, d)
+        return (kv * weights).sum(dim=(1, 2))  # softmax-gated pooling over the span, per channel
 
-    def _finish(self, pooled: torch.Tensor, block_start: torch.Tensor,
-                rope: RopeTable) -> torch.Tensor:
-        cos, sin = rope.lookup(block_start)
-        return apply_rope(self.norm(pooled), cos, sin)
-
-    def cached(self, x: torch.Tensor, batch: ForwardBatch, cache: CompressedCache,
+    def cached(self, x: torch.Tensor, plan: ForwardPlan, cache: CompressedCache,
                rope: RopeTable) -> None:
         """Update the raw ring and write every entry a row of this forward closes."""
-        raw = self.raw(x, batch.positions)  # [T, 2*coff*d]
+        r = self.ratio
+        raw = self.raw(x)  # [T, 2*coff*d]
         # Pool only rows that can close a block: a static number K of rows, block
-        # closers first (a stable sort keeps them in row order), the rest padding.
-        closes = (batch.positions + 1) % self.ratio == 0  # [T]
-        k = batch.max_block_closers(self.ratio)
-        sel = torch.sort((~closes).to(torch.uint8), stable=True).indices[:k]  # [K]
-        rows = batch.select(sel)
-        cand, key_pos = cache.raw.gather_recent(raw, rows, self.span, sel)  # [K, span, 2cd]
-        cache.raw.write(raw, batch)
-        pooled = self._pool(cand, key_pos >= 0)  # [K, d]; garbage on rows closing no block
-        block_start = (rows.positions + 1 - self.ratio).clamp(min=0)
-        cache.write_entries(self._finish(pooled, block_start, rope), rows, self.ratio)
+        # closers first, the rest padding (garbage entries, written to slot 0).
+        rows = plan.block_closers(r)
+        cand, ring = cache.raw.gather_recent(raw, rows, self.span)  # [K, span, 2cd]
+        cache.raw.write(raw, plan)
+        bias = None if self.coff == 1 else rows.memo(
+            ("pool_bias", cache.raw.size, self.span, x.dtype),
+            lambda: mask_bias(ring.valid, x.dtype))  # [K, span]: C4's block -1
+        rot = rows.memo((rope, "block_start", self.head_dim), lambda: rope.rotation(
+            (rows.batch.positions + 1 - r).clamp(min=0), self.head_dim))
+        entry = apply_rope(self.norm(self._pool(cand, bias)), rot)  # [K, d]
+        cache.write_entries(entry, rows, r)
 
     def dense(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """All finished entries of one sequence: x [S, D] -> [S // ratio, d]."""
         s, r = x.shape[0], self.ratio
         nb = s // r
-        raw = self.raw(x[: nb * r], torch.arange(nb * r, device=x.device))
+        raw = self.raw(x[: nb * r])
         blocks = raw.view(nb, r, raw.shape[-1])  # [nb, r, 2*coff*d]
+        bias = None
         if self.coff == 2:  # prepend the previous block (zeros before block 0)
             prev = torch.cat((torch.zeros_like(blocks[:1]), blocks[:-1]), dim=0)
             blocks = torch.cat((prev, blocks), dim=1)  # [nb, 2r, 2*coff*d]
-        starts = torch.arange(nb, device=x.device).unsqueeze(1) * r  # [nb, 1]
-        cand_pos = starts + torch.arange(self.span, device=x.device) - (self.span - r)
-        valid = cand_pos >= 0  # [nb, span]; block -1 does not exist
-        pooled = self._pool(blocks, valid)
-        return self._finish(pooled, torch.arange(nb, device=x.device) * r, rope)
+            starts = torch.arange(nb, device=x.device).unsqueeze(1) * r  # [nb, 1]
+            cand_pos = starts + torch.arange(self.span, device=x.device) - r
+            bias = mask_bias(cand_pos >= 0, x.dtype)  # [nb, span]; block -1 does not exist
+        rot = rope.rotation(torch.arange(nb, device=x.device) * r, self.head_dim)
+        return apply_rope(self.norm(self._pool(blocks, bias)), rot)
+
+
+# Tie-breaking of the indexer's top-k (``stable_topk``). ``torch.topk`` leaves the order
+# of equal values open and relu makes exact ties common (0.0 above all); a stable sort
+# keeps the lowest entry first. The float64 key of a score s (float32, bf16 or fp16) at
+# entry e < E <= 2**b,
+#     s - |s| * e * 2**-(26 + b) - e * 2**-(200 + b)    for a finished entry,
+#     -(2**900 + e * 2**870)                              for an unfinished one,
+# is exact where it must be and strictly decreasing in e for equal s (-0.0 = 0.0 too):
+# the relative term, under 2**-26, never reaches the next float32 value (2**-24 apart),
+# and its steps of at least 2**-48 (b <= 22) dwarf float64 rounding (2**-53); the
+# absolute term orders zeros and stays far below the smallest float32, 2**-149. One top-k
+# of it returns exactly the first k entries of the stable descending sort of the scores
+# with unfinished entries at -inf (those in entry order, as the sort leaves them).
+_MAX_INDEX_BITS = 22
+_MASKED = -(2.0 ** 900)
+
+
+def stable_topk_terms(finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """finished [T, E] bool -> (base [T, E], slope [E]) float64 for ``stable_topk``."""
+    n = finished.shape[-1]
+    b = max(n - 1, 1).bit_length()
+    if b > _MAX_INDEX_BITS:
+        raise ValueError(f"stable_topk: {n} entries exceed the 2**{_MAX_INDEX_BITS} its "
+                         f"float64 key orders exactly")
+    e = torch.arange(n, dtype=torch.float64, device=finished.device)  # [E]
+    base = torch.where(finished, e * -(2.0 ** -(200 + b)), e * -(2.0 ** (900 - 30)) + _MASKED)
+    return base, e * -(2.0 ** -(26 + b))
+
+
+def stable_topk(scores: torch.Tensor, k: int, base: torch.Tensor,
+                slope: torch.Tensor) -> torch.Tensor:
+    """Indices [T, k] of the first k entries of a stable descending sort of ``scores``
+    [T, E] (lowest entry first among equal scores) where unfinished entries (``base``,
+    ``slope`` from ``stable_topk_terms``) count as -inf. One top-k, not a sort; the key
+    is exact, so the cached and the dense path pick the same entries."""
+    key = torch.addcmul(base + scores, scores.abs(), slope)  # [T, E] float64
+    return key.topk(k, dim=-1).indices
 
 
 class Indexer(nn.Module):
@@ -111,34 +160,43 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, ratio, self.head_dim)
 
-    def _scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
-                keys: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-        """keys: [T, E, di] -> scores [T, E] = sum_h relu(q_h . k) * w_h over all heads."""
+    def rotation(self, rope: RopeTable, positions: torch.Tensor) -> torch.Tensor:
+        """The query's RoPE rotation times ``score_scale``: relu(a*s) = a*relu(s) for
+        a > 0, so the scale rides on the rotation (built once per forward) instead of
+        costing a kernel per layer."""
+        return rope.rotation(positions, self.head_dim) * self.score_scale
+
+    def _scores(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+        """keys: [T, E, di], rot: ``rotation`` -> scores [T, E] = sum_h relu(q_h . k) * w_h
+        * score_scale over all heads."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, di] (local heads)
-        q = apply_rope(q, *rope.lookup(positions))
-        w = self.weights_proj(x) * self.score_scale  # [T, Hi]
-        part = (torch.einsum("thd,ted->the", q, keys).relu() * w.unsqueeze(-1)).sum(dim=1)
+        q = apply_rope(q, rot)
+        w = self.weights_proj(x)  # [T, Hi]
+        relu = torch.bmm(q, keys.transpose(1, 2)).relu()  # [T, Hi, E]
+        part = torch.bmm(w.unsqueeze(1), relu).squeeze(1)  # the weighted sum over heads
         return self.tp.all_reduce(part)  # [T, E]: the sum over every rank's heads
 
-    def _select(self, scores: torch.Tensor, positions: torch.Tensor):
-        """Mask unfinished entries, keep the top-k: -> (entry ids [T, k], valid [T, k])."""
-        finished = torch.arange(scores.shape[1], device=scores.device).unsqueeze(0) < (
-            (positions + 1) // self.ratio).unsqueeze(1)  # [T, E]
-        scores = scores.masked_fill(~finished, float("-inf"))
-        # Stable sort, not topk: relu makes exact ties (often 0.0) common, and the
-        # cached path scores more (unfinished) entries than the oracle; a stable
-        # order picks the lowest entry id among ties on both paths.
-        order = scores.sort(dim=-1, descending=True, stable=True).indices
-        idx = order[:, : min(self.topk, scores.shape[1])]  # [T, k]
-        return idx, finished.gather(1, idx)
-
-    def cached(self, x, qr, batch: ForwardBatch, cache: CompressedCache, rope: RopeTable):
-        self.compressor.cached(x, batch, cache, rope)
-        keys = cache.request_entries(batch)  # [T, E, di]
-        return self._select(self._scores(x, qr, batch.positions, keys, rope), batch.positions)
+    def cached(self, x, qr, plan: ForwardPlan, cache: CompressedCache,
+               rope: RopeTable) -> torch.Tensor:
+        """-> entry ids [T, k]; unfinished ones among them are masked by the caller."""
+        self.compressor.cached(x, plan, cache, rope)
+        keys = cache.request_entries(plan)  # [T, E, di]
+        n = keys.shape[1]
+        base, slope = plan.memo(("stable_topk", self.ratio, n), lambda: stable_topk_terms(
+            plan.finished_entries(self.ratio, n)))
+        rot = plan.memo((rope, "indexer_query", self.head_dim, self.score_scale),
+                        lambda: self.rotation(rope, plan.batch.positions))  # every C4 layer's
+        scores = self._scores(x, qr, rot, keys)
+        return stable_topk(scores, min(self.topk, n), base, slope)
 
     def dense(self, x, qr, rope: RopeTable):
+        """-> (entry ids [S, k], picked [S, k]: the id is a finished entry)."""
         keys = self.compressor.dense(x, rope)  # [nb, di]
         positions = torch.arange(x.shape[0], device=x.device)
-        scores = self._scores(x, qr, positions, keys.expand(x.shape[0], -1, -1), rope)
-        return self._select(scores, positions)
+        finished = torch.arange(keys.shape[0], device=x.device).unsqueeze(0) < (
+            (positions + 1) // self.ratio).unsqueeze(1)  # [S, nb]
+        scores = self._scores(x, qr, self.rotation(rope, positions),
+                              keys.expand(x.shape[0], -1, -1))
+        idx = stable_topk(scores, min(self.topk, keys.shape[0]), *stable_topk_terms(finished))
+        return idx, finished.gather(1, idx)

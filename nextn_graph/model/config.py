@@ -299,14 +299,18 @@ def model_bytes(cfg: ModelConfig) -> int:
     fp32, but int64 hash-routing tables. Mirrors the module tree (a test checks it
     equals the built models exactly); Python ints, so no overflow however absurd."""
     d, hc = cfg.hidden_size, cfg.hc_mult
-    stream_head = d + hc * cfg.hc_dim + hc + 1  # norm, hc_head_fn, _base, _scale
+    stream_head = _norm_floats(d) + hc * cfg.hc_dim + hc + 1  # norm, hc_head_fn, _base, _scale
     target = stream_head + 2 * cfg.vocab_size * d  # + embed, head
+    # RoPE cos and sin: one table per kind (base; compressed if a layer is), in the target
+    kinds = 1 + any(cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers))
+    target += kinds * 2 * cfg.max_position_embeddings * (cfg.qk_rope_head_dim // 2)
     hashed_tables = 0
     for i in range(cfg.num_hidden_layers):
         hashed = i < cfg.num_hash_layers
         target += _block_floats(cfg, cfg.layer_ratio(i), hashed)
         hashed_tables += cfg.vocab_size * cfg.num_experts_per_tok if hashed else 0
-    draft = _block_floats(cfg, NEXTN_COMPRESS_RATIO, False) + stream_head + 2 * d * d + 2 * d
+    draft = (_block_floats(cfg, NEXTN_COMPRESS_RATIO, False) + stream_head + 2 * d * d
+             + 2 * _norm_floats(d))  # e_proj, h_proj, enorm, hnorm
     return 4 * (target + draft) + 8 * hashed_tables
 
 
@@ -314,8 +318,8 @@ def _block_floats(cfg: ModelConfig, ratio: int, hashed: bool) -> int:
     """fp32 elements of one decoder layer (``Block``): attention, MoE, norms, mHC."""
     d, h, hd, q = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
     o = cfg.o_groups * cfg.o_lora_rank
-    attn = h + q * d + q + h * hd * q + hd * d + hd + o * (h * hd // cfg.o_groups) + d * o
-    attn += 2 * cfg.max_position_embeddings * (cfg.qk_rope_head_dim // 2)  # RoPE cos, sin
+    attn = (h + q * d + _norm_floats(q) + h * hd * q + hd * d + _norm_floats(hd)
+            + o * (h * hd // cfg.o_groups) + d * o)
     if ratio:
         attn += _compressor_floats(cfg, ratio, hd)
     if ratio == C4_RATIO:
@@ -324,12 +328,17 @@ def _block_floats(cfg: ModelConfig, ratio: int, hashed: bool) -> int:
     e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     moe = e * d + (0 if hashed else e) + 3 * d * inter * (e + cfg.n_shared_experts)
     mix = (2 + cfg.hc_mult) * cfg.hc_mult
-    return attn + moe + 2 * d + 2 * (mix * cfg.hc_dim + mix + 3)
+    return attn + moe + 2 * _norm_floats(d) + 2 * (mix * cfg.hc_dim + mix + 3)
 
 
 def _compressor_floats(cfg: ModelConfig, ratio: int, dim: int) -> int:
     width = (2 if ratio == C4_RATIO else 1) * dim  # C4 entries overlap the previous block
-    return ratio * width + 2 * width * cfg.hidden_size + dim  # ape, wkv, wgate, norm
+    return ratio * width + 2 * width * cfg.hidden_size + _norm_floats(dim)  # ape, wkv, wgate, norm
+
+
+def _norm_floats(dim: int) -> int:
+    """An ``RMSNorm``: its weight and its eps tensor."""
+    return dim + 1
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..memory.batch import ForwardBatch
+from ..memory.batch import ForwardBatch, ForwardPlan
 from ..memory.pool import KVPool, PoolLayout
 from ..parallel.group import TPGroup
 from .block import Block
 from .config import ModelConfig
 from .mhc import hc_head
-from .ops import RMSNorm
+from .ops import RMSNorm, RopeTables
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.tp = tp if tp is not None else TPGroup.single()
         add_stream_head(self, cfg)
         self.embed = ParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
+        self.rope_tables = RopeTables(cfg)  # one per kind of layer, the draft's included
         self.layers = nn.ModuleList(
-            Block(cfg, cfg.layer_ratio(i), hashed=i < cfg.num_hash_layers, tp=self.tp)
+            Block(cfg, cfg.layer_ratio(i), hashed=i < cfg.num_hash_layers, tp=self.tp,
+                  rope=self.rope_tables.for_ratio(cfg.layer_ratio(i)))
             for i in range(cfg.num_hidden_layers))
         _, vocab = self.tp.part(cfg.vocab_size, "vocab_size")
         self.head = nn.Linear(cfg.hidden_size, vocab, bias=False)  # [V/tp, D]
@@ -98,8 +100,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: KVPool) -> ForwardOutput:
         """Cached path: rows of many requests against the pool (prefill, decode, verify)."""
         x = self._streams(batch.input_ids)
+        plan = ForwardPlan(batch)  # what every layer derives from the batch, once
         for layer, cache in zip(self.layers, pool.layers):
-            x = layer.cached(x, batch, cache)
+            x = layer.cached(x, plan, cache)
         return stream_output(self, self.cfg, x, self.head, self.tp)
 
     def reference(self, input_ids: torch.Tensor) -> ForwardOutput:

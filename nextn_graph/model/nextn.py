@@ -8,20 +8,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..memory.batch import ForwardBatch
+from ..memory.batch import ForwardBatch, ForwardPlan
 from ..memory.pool import KVPool, PoolLayout
 from ..parallel.group import TPGroup
 from .block import Block
 from .config import NEXTN_COMPRESS_RATIO, ModelConfig
 from .deepseek_v4 import DeepseekV4ForCausalLM, ForwardOutput, add_stream_head, stream_output
-from .ops import RMSNorm
+from .ops import RMSNorm, RopeTable
 
 
 class NextNLayer(Block):
     """``mtp.0.*``: fusion projections, the decoder layer, and the stream head."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
-        super().__init__(cfg, NEXTN_COMPRESS_RATIO, hashed=False, tp=tp)
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rope: RopeTable):
+        super().__init__(cfg, NEXTN_COMPRESS_RATIO, hashed=False, tp=tp, rope=rope)
         add_stream_head(self, cfg)
         self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -45,7 +45,9 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = target.tp
-        self.mtp = nn.ModuleList([NextNLayer(cfg, self.tp)])
+        # the target's base-theta table: owned (registered, moved, counted) by the target
+        rope = target.rope_tables.for_ratio(NEXTN_COMPRESS_RATIO)
+        self.mtp = nn.ModuleList([NextNLayer(cfg, self.tp, rope)])
         self._shared = (target.embed, target.head)  # not submodules: owned by the target
 
     @property
@@ -66,7 +68,7 @@ class DeepseekV4ForCausalLMNextN(nn.Module):
         self._check_hidden(hidden, batch.num_rows)
         embed, head = self._shared
         x = self.layer.fuse(embed(batch.input_ids), hidden)
-        x = self.layer.cached(x, batch, pool.layers[0])
+        x = self.layer.cached(x, ForwardPlan(batch), pool.layers[0])
         return stream_output(self.layer, self.cfg, x, head, self.tp)
 
     def reference(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> ForwardOutput:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..memory.batch import ForwardPlan
 from .config import ModelConfig
 
 
@@ -19,14 +21,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # eps as a tensor makes mean(x^2) + eps one kernel (``rms_norm``); on the host
+        # even under a meta device, like the RoPE tables (a load moves it with the model)
+        self.register_buffer("eps_tensor", torch.full((1, 1, 1), eps, device="cpu"),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps) * self.weight
+        return rms_norm(x, self.eps_tensor) * self.weight
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS norm over the last dim."""
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+def rms_norm(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Weightless RMS norm over the last dim: ``x * rsqrt(mean(x^2) + eps)``, three
+    kernels: the mean of squares plus ``eps`` (a one-element tensor, e.g. an
+    ``RMSNorm.eps_tensor``) is one ``baddbmm`` of each row with itself."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, 1, d)  # [N, 1, d]
+    ms = torch.baddbmm(eps.to(x.dtype), rows, rows.transpose(1, 2), alpha=1.0 / d)  # [N, 1, 1]
+    return x * torch.rsqrt(ms).view(*x.shape[:-1], 1)
 
 
 def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig) -> torch.Tensor:
@@ -56,7 +67,8 @@ def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig) -> torch.Tensor:
 
 class RopeTable(nn.Module):
     """cos/sin tables indexed by absolute position (a gather, so capture-safe). Built on
-    the host even under a meta device: a streamed load builds the model on meta."""
+    the host even under a meta device: a streamed load builds the model on meta. One per
+    kind of layer (``RopeTables``), shared by every layer of that kind."""
 
     def __init__(self, cfg: ModelConfig, compressed: bool):
         super().__init__()
@@ -71,41 +83,69 @@ class RopeTable(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # [P, rd/2]
         self.register_buffer("sin", angles.sin().float(), persistent=False)  # [P, rd/2]
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]  # [..., rd/2] each
+    def rotation(self, positions: torch.Tensor, dim: int) -> torch.Tensor:
+        """The 2x2 rotation of every pair of a ``dim``-wide vector at ``positions`` [...]:
+        the identity on the leading ``dim - rd`` (no-RoPE) dims, RoPE on the last ``rd``.
+        -> [..., dim/2, 2, 2]; ``rot[..., i, j]`` weighs a pair's input i into output j.
+        Built once per forward and width (``ForwardPlan``), then used by ``apply_rope``."""
+        c, s = self.cos[positions], self.sin[positions]  # [..., rd/2]
+        nope = dim // 2 - c.shape[-1]
+        if nope:  # identity pairs: cos 1, sin 0
+            c, s = F.pad(c, (nope, 0), value=1.0), F.pad(s, (nope, 0), value=0.0)
+        return torch.stack((c, s, -s, c), dim=-1).unflatten(-1, (2, 2))
+
+    def at(self, plan: ForwardPlan, dim: int) -> torch.Tensor:
+        """``rotation`` at the plan's positions: once per forward, table and width."""
+        return plan.memo((self, dim), lambda: self.rotation(plan.batch.positions, dim))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
-    """Rotate interleaved pairs of the last ``2*cos.shape[-1]`` dims of ``x``.
+class RopeTables(nn.Module):
+    """A model's RoPE tables: base theta for sliding-window layers and the NextN layer,
+    YaRN'd ``compress_rope_theta`` for C4 / C128 layers (built only if a layer has one).
+    One table per kind instead of one per layer: at V4-Flash's 1M positions a table is
+    256 MB of host memory, 43 layers' worth was 11 GB."""
 
-    x: [T, ..., d]; cos/sin: [T, rd/2] (broadcast over the middle dims).
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swa = RopeTable(cfg, compressed=False)
+        if any(cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)):
+            self.compressed = RopeTable(cfg, compressed=True)
+
+    def for_ratio(self, ratio: int) -> RopeTable:
+        return self.compressed if ratio else self.swa
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` by ``rot`` (``RopeTable.rotation``): two kernels,
+    a multiply and a sum over each pair, for the whole width (no slice / stack / cat).
+
+    x: [T, ..., d]; rot: [T, d/2, 2, 2] (broadcast over the middle dims). Each output is
+    ``x0*cos - x1*sin`` / ``x0*sin + x1*cos`` computed as before (a two-term sum), so the
+    result equals the slice-and-stack rotation bitwise, up to the sign of zeros.
+    ``inverse``: rotate back (the transposed rotation).
     """
-    rd = 2 * cos.shape[-1]
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
-        sin = -sin
-    nope, rot = x[..., :-rd], x[..., -rd:]
-    x0, x1 = rot[..., 0::2], rot[..., 1::2]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return torch.cat((nope, rotated), dim=-1)
+        rot = rot.transpose(-1, -2)
+    for _ in range(x.dim() - 2):  # broadcast over the middle (head) dims
+        rot = rot.unsqueeze(1)
+    pairs = x.unflatten(-1, (-1, 2)).unsqueeze(-1)  # [T, ..., d/2, 2 (in), 1]
+    return (pairs * rot).sum(dim=-2).flatten(-2)  # [T, ..., d]
 
 
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+def mask_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``valid``, -inf elsewhere: a key mask added to attention scores."""
+    return valid.to(dtype).log()  # log 1 = 0, log 0 = -inf, both exact
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
                    sink: torch.Tensor, scale: float) -> torch.Tensor:
     """MQA over a per-row key set with a per-head attention sink in the denominator.
 
-    q: [T, H, d]; keys: [T, K, d] (K = V, one shared head); valid: [T, K] bool;
-    sink: [H]. Returns [T, H, d].
+    q: [T, H, d]; keys: [T, K, d] (K = V, one shared head); bias: [T, K], 0 for a key
+    the row attends, -inf for one it does not (``mask_bias``); sink: [H]. Returns
+    [T, H, d]. The scale and the mask are one kernel with the scores (``baddbmm``).
     """
-    scores = torch.einsum("thd,tkd->thk", q, keys) * scale  # [T, H, K]
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    scores = torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=scale)  # [T, H, K]
     sink_col = sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
     probs = torch.cat((scores, sink_col), dim=-1).softmax(dim=-1)[..., :-1]  # [T, H, K]
-    return torch.einsum("thk,tkd->thd", probs, keys)
-
-
-def pool_softmax(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    """Softmax-gated pooling over candidates, per channel: [..., C, d] -> [..., d]."""
-    return (kv * score.softmax(dim=-2)).sum(dim=-2)
+    return torch.bmm(probs, keys)

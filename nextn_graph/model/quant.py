@@ -7,9 +7,9 @@ FP4 e2m1, two values per byte ``[out, in/2]`` (low nibble first) with a scale pe
 exponent byte, 2^(b - 127)), or fp32 in some exports. weight = value x its block's scale.
 
 ``QuantLinear`` holds the stored bits (``uint8``; fp32 scales as ``int32`` bits) so
-that no ``Module.to(dtype)`` can cast them, and dequantizes in its forward with pure
-tensor ops (views, bitwise ops, a 16-entry table gather): correct on every device
-and inside every graph backend. The dequantized weight is exact in fp32 and in
+that no ``Module.to(dtype)`` can cast them; its forward is one ``quant_linear`` kernel
+(``model.qgemm``) that dequantizes inside the op, with pure tensor ops: correct on
+every device and inside every graph backend. The dequantized weight is exact in fp32 and in
 bf16 (an e4m3 or e2m1 value times a power of two fits both), so a quantized model
 and the same checkpoint dequantized at load give identical logits.
 """
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, show_value
+from .qgemm import (FP4_BLOCK, FP8_BLOCK, dequantize,  # noqa: F401 (re-exported)
+                    quant_bmm, quant_linear)
 
-FP8_BLOCK = 128  # weight_block_size of the release: one scale per 128 x 128 block
-FP4_BLOCK = 32  # one scale per 32 inputs of an FP4 row
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 by nibble
@@ -129,39 +129,32 @@ class QuantLinear(nn.Module):
                           self.in_features, self.fp4_values, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype))
+        """One ``quant_linear`` kernel: the stored bits are read, never expanded in memory
+        outside it (``model.qgemm``)."""
+        return quant_linear(x, self.weight, self.scale, self.fp4_values, self.fmt,
+                            self.in_features)
 
     def extra_repr(self) -> str:
         scale = "fp32" if self.fp32_scale else "e8m0"
         return f"{self.in_features} -> {self.out_features}, {self.fmt}, {scale} scales"
 
 
-def dequantize(fmt: str, weight: torch.Tensor, scale: torch.Tensor, out: int, inp: int,
-               fp4_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [out, in] from stored bits: ``weight`` uint8 (FP8 [out, in] or packed FP4
-    [out, in/2], low nibble = even input), ``scale`` uint8 e8m0 or int32 fp32 bits;
-    ``fp4_values`` the e2m1 table [16] (a tensor on the weight's device)."""
-    if scale.dtype == torch.int32:
-        scale = scale.view(torch.float32)
-    else:
-        scale = scale.view(torch.float8_e8m0fnu).float()  # fp32 powers of two
-    if fmt == "fp8":
-        w = weight.view(torch.float8_e4m3fn).float()  # [out, in]
-        so, si = scale.shape
-        block = scale[:, None, :, None].expand(so, FP8_BLOCK, si, FP8_BLOCK)
-        block = block.reshape(so * FP8_BLOCK, si * FP8_BLOCK)[:out, :inp]  # [out, in]
-        return (w * block).to(dtype)
-    codes = torch.stack((weight & 15, weight >> 4), dim=-1).reshape(out, inp)  # [out, in]
-    values = fp4_values[codes.long()]  # [out, in]
-    per_input = scale[:, :, None].expand(out, inp // FP4_BLOCK, FP4_BLOCK).reshape(out, inp)
-    return (values * per_input).to(dtype)
+def grouped_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A linear applied per group, group g with rows ``[g*r, (g+1)*r)`` of the weight
+    [G*r, in] (a block-diagonal projection). x: [G, T, in] -> [G, T, r].
 
-
-def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The [out, in] weight of an ``nn.Linear`` or a ``QuantLinear`` (dequantized)."""
-    if isinstance(module, QuantLinear):
-        return module.dequantized(dtype)
-    return module.weight
+    One ``bmm``, on the float weight or, for a ``QuantLinear`` whose scale blocks do not
+    straddle groups, one ``quant_bmm`` kernel on the stored bits (bitwise the same)."""
+    g, _, inp = x.shape
+    if not isinstance(module, QuantLinear):
+        return torch.bmm(x, module.weight.view(g, -1, inp).transpose(1, 2))
+    r = module.out_features // g
+    if module.fmt == "fp4" or r % FP8_BLOCK == 0:  # each group owns whole scale rows
+        weight = module.weight.view(g, r, -1)
+        scale = module.scale.view(g, -1, module.scale.shape[-1])
+        return quant_bmm(x, weight, scale, module.fp4_values, module.fmt, inp)
+    w = module.dequantized(x.dtype).view(g, r, inp)  # blocks straddle groups: whole weight
+    return torch.bmm(x, w.transpose(1, 2))
 
 
 def check_scale(where: str, key: str, fmt: str, weight: torch.Tensor, scale: torch.Tensor,

@@ -45,7 +45,7 @@ class PoolConfig:
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# How FP8/FP4 checkpoint weights are held: as stored (dequantized in each forward), or
+# How FP8/FP4 checkpoint weights are held: as stored (GEMMs read the stored bits), or
 # expanded to `dtype` at load (small models, debugging). Plain checkpoints: no effect.
 WEIGHTS_MODES = ("quantized", "dequantized")
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")

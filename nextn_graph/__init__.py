@@ -12,7 +12,8 @@ The public API for embedding the engine in a server::
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, load_run_config
+from .config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig,
+                     load_run_config)
 from .errors import (CapacityError, CaptureError, CheckpointError, ConfigError, InputError,
                      NextnGraphError, ParallelError, RequestFailed)
 from .runtime.engine import SpecEngine, StepOutput
@@ -20,6 +21,7 @@ from .runtime.sampling import SamplingParams
 
 __all__ = [
     "SpecEngine", "StepOutput", "SamplingParams", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",
+    "SchedulerConfig",
     "load_run_config", "load_checkpoint", "save_checkpoint", "NextnGraphError", "ConfigError",
     "CheckpointError", "InputError", "CapacityError", "CaptureError", "RequestFailed",
     "ParallelError",

@@ -1,4 +1,4 @@
-"""Command line: ``nextn-graph {bench,demo,make-checkpoint,generate,profile}``.
+"""Command line: ``nextn-graph {bench,demo,make-checkpoint,generate,profile,serve,bench-serve}``.
 
 Every library error becomes one line on stderr naming what was wrong, and exit
 status 2; Ctrl-C becomes ``nextn-graph: interrupted`` and exit status 130. No
@@ -30,6 +30,7 @@ from .parallel.launch import close_group, group_from_env, load_on_ranks, spawn
 from .presets import PRESETS, preset_config
 from .profile import add_profile_options, run_profile
 from .runtime.engine import SpecEngine
+from .serve.cli_options import add_serve_commands, run_serve_command
 from .tokenizer import byte_level_tokenizer, write_tokenizer
 from .train import TRAINED_PRESET, make_trained
 
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "device: kernels, bytes, FLOPs, roofline projection")
     add_profile_options(prof, POSITIVE, NON_NEGATIVE)
     _add_threads(prof)
+    add_serve_commands(sub, POSITIVE, _add_threads)  # serve, bench-serve
     return parser
 
 
@@ -272,6 +274,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.command == "demo":
         return _demo(args)
+    if args.command in ("serve", "bench-serve"):  # (they import the web libraries then)
+        return run_serve_command(args, _pin_threads)
     if args.command == "profile":
         _pin_threads(args.threads, "cpu")  # meta tensors: the work is the host's
         return run_profile(args)

@@ -109,6 +109,20 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    # Prompt tokens prefilled per step, over every request being prefilled (first come,
+    # first served). A prompt longer than what is left of it is prefilled in chunks
+    # over several steps, holding its pool row, while running requests get a round
+    # every step: a long prompt no longer stalls them for its whole prefill. A step
+    # costs about one round plus this many prompt tokens. 0 = unlimited: every
+    # admitted prompt is prefilled whole in the step it is admitted.
+    prefill_token_budget: int = 0
+
+
+MAX_PREFILL_TOKEN_BUDGET = 2 ** 31  # one forward's rows; larger is a typo, not a budget
+
+
+@dataclass(frozen=True)
 class RunConfig:
     checkpoint: str = "builtin:tiny-trained"  # a directory, or builtin:NAME
     dtype: str = "fp32"  # fp32 | bf16
@@ -119,6 +133,7 @@ class RunConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -236,6 +251,7 @@ def resolve(cfg: RunConfig, where: str = "config") -> RunConfig:
                           f"{needs!r}, but key 'device' is {cfg.device!r}")
     graph = resolve_compile(graph, cfg.device, where)
     check_parallel(cfg.parallel, where)
+    check_scheduler(cfg.scheduler, where)
     return dataclasses.replace(cfg, speculative=spec, graph=graph,
                                bench=resolve_bench(cfg.bench, where))
 
@@ -256,6 +272,14 @@ def check_parallel(par: ParallelConfig, where: str) -> None:
     if not 1 <= par.timeout_s <= MAX_TIMEOUT_S:
         raise ConfigError(f"{where}: key 'parallel.timeout_s' must lie in "
                           f"[1, {MAX_TIMEOUT_S}] seconds, got {par.timeout_s}")
+
+
+def check_scheduler(sched: SchedulerConfig, where: str) -> None:
+    budget = sched.prefill_token_budget
+    if not 0 <= budget <= MAX_PREFILL_TOKEN_BUDGET:
+        raise ConfigError(f"{where}: key 'scheduler.prefill_token_budget' must lie in "
+                          f"[0, {MAX_PREFILL_TOKEN_BUDGET}] prompt tokens per step "
+                          f"(0 = unlimited), got {show_value(budget)}")
 
 
 def resolve_compile(graph: GraphConfig, device: str, where: str,

@@ -87,7 +87,8 @@ def run_generate(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> in
             raise InputError(f"{sampled[0]}: the request samples, but the config sets "
                              f"graph.sampling: false (greedy graphs only)")
         engine = SpecEngine(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
-                            progress=sys.stderr.isatty())  # a capture progress bar
+                            progress=sys.stderr.isatty(),  # a capture progress bar
+                            scheduler=cfg.scheduler)
         result = engine.generate(prompts, args.max_new_tokens, sampling=sampling)
     else:  # every rank runs the same decoding (its collectives need them all)
         result = mirror(group, models, f"{args.mode}_generate", prompts, args.max_new_tokens,

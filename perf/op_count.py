@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from nextn_graph.checkpoint import random_models  # noqa: E402
-from nextn_graph.graph.counting import OpCounter  # noqa: E402
+from nextn_graph.profile.counting import OpCounter  # noqa: E402
 from nextn_graph.memory.batch import Chunk, ForwardBatch  # noqa: E402
 from nextn_graph.memory.pool import PoolLayout  # noqa: E402
 from nextn_graph.presets import preset_config  # noqa: E402

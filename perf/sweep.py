@@ -11,7 +11,7 @@ random steps, prompts of 1-150 tokens, max_new_tokens 1-60, random stop tokens).
   reference, and where a bf16 stream leaves the fp32 reference, the reference's
   top-2 margin and the picked token's regret (its fp32 logit below the
   reference's choice). The check is the bf16 guarantee (docs/guarantees_bf16.md):
-  regret below BF16_TOLERANCE (tests/helpers.py).
+  regret below BF16_TOLERANCE (nextn_graph/runtime/tolerance.py).
 
 Exits 1 on an fp32 mismatch or a bf16 divergence at regret BF16_TOLERANCE or more.
 
@@ -31,15 +31,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # run from a checkout; the bf16 checker
+sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from helpers import (BF16_TOLERANCE, divergence_regret, first_divergence,  # noqa: E402
-                     reference_logits, top2_margins, within_tolerance)
 from nextn_graph.checkpoint import load_checkpoint, random_models  # noqa: E402
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig  # noqa: E402
 from nextn_graph.generate import plain_generate, reference_generate  # noqa: E402
 from nextn_graph.presets import preset_config  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
+from nextn_graph.runtime.tolerance import (BF16_TOLERANCE, divergence_regret,  # noqa: E402
+                                           first_divergence, reference_logits, top2_margins,
+                                           within_tolerance)
 from nextn_graph.corpus import corpus  # noqa: E402
 
 POOL = PoolConfig(5, 320)
@@ -204,7 +205,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["both", *DTYPES], default="both")
     ap.add_argument("--delta", type=float, default=BF16_TOLERANCE,
-                    help="bf16 tolerance in fp32 logits (default: tests/helpers.BF16_TOLERANCE)")
+                    help="bf16 tolerance in fp32 logits (default: runtime.tolerance.BF16_TOLERANCE)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dtypes = list(DTYPES) if args.dtype == "both" else [args.dtype]

@@ -44,57 +44,10 @@ def seqlen_registry() -> UpdateRegistry:
 
 
 
-# -- the bf16 guarantee (docs/guarantees_bf16.md) ----------------------------------------
-
-# δ, in fp32 logits: where a bf16 stream first leaves the fp32 reference, the token it
-# picked may trail the reference's choice by less than this (its regret). Measured
-# (docs/guarantees_bf16.md, perf/sweep.py): no bf16 divergence seen at an fp32 margin
-# above 2.17 or a regret above 1.64; δ is over twice that.
-BF16_TOLERANCE = 5.0
-
-
-def first_divergence(got: list[int], want: list[int]) -> int | None:
-    """Index of the first differing token; a strict prefix diverges at its end; None if equal."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            return i
-    return None if len(got) == len(want) else min(len(got), len(want))
-
-
-@torch.no_grad()
-def reference_logits(target, prompt: list[int], ref: list[int]) -> torch.Tensor:
-    """``target.reference`` teacher-forced over ``prompt + ref``: row i [V] fp32 holds the
-    logits that picked ref[i]. [len(ref), V]"""
-    device = target.embed.weight.device
-    seq = torch.tensor(list(prompt) + list(ref[:-1]), device=device)
-    return target.reference(seq).logits[len(prompt) - 1:len(prompt) - 1 + len(ref)].float()
-
-
-def top2_margins(logits: torch.Tensor) -> list[float]:
-    """Top-1 minus top-2 logit of every row: how near the reference was to a tie."""
-    top = logits.topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
-
-
-def divergence_regret(got: list[int], ref: list[int], ref_logits: torch.Tensor) -> float | None:
-    """At the first position where ``got`` leaves ``ref``: the reference's logit of its own
-    token minus that of ``got``'s token (the top-2 margin when ``got`` took the runner-up).
-    None when the streams are equal; inf when one stops early or runs on with no differing
-    token (same limits and stop ids, so that is bookkeeping, never rounding)."""
-    i = first_divergence(got, ref)
-    if i is None:
-        return None
-    if i >= min(len(got), len(ref)):
-        return float("inf")
-    return float(ref_logits[i, ref[i]] - ref_logits[i, got[i]])
-
-
-def within_tolerance(got: list[int], ref: list[int], ref_logits: torch.Tensor,
-                     delta: float = BF16_TOLERANCE) -> bool:
-    """The bf16 guarantee for one stream: it equals the fp32 reference ``ref``, or first
-    leaves it for a token whose fp32 logit trails the reference's choice by under ``delta``."""
-    regret = divergence_regret(got, ref, ref_logits)
-    return regret is None or regret < delta
+# -- the bf16 guarantee: nextn_graph/runtime/tolerance.py ----------------------------------
+from nextn_graph.runtime.tolerance import (BF16_TOLERANCE, divergence_regret,  # noqa: E402,F401
+                                           first_divergence, reference_logits, top2_margins,
+                                           within_tolerance)
 
 
 # -- CPU stand-ins for torch_npu's updatable kernels (tests/test_fake_npu.py) -------------

@@ -17,7 +17,7 @@ from nextn_graph.bench.report import MODES_HEADER, PLOTS, table
 from nextn_graph.bench.trace import TRACE_ROUNDS
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
-from nextn_graph.graph.counting import OUTSIDE_PHASES
+from nextn_graph.profile.counting import OUTSIDE_PHASES
 from nextn_graph.graph.runner import COUNTED_AS
 
 SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)

@@ -19,7 +19,7 @@ from nextn_graph.bench.report import MODES_HEADER, PLOTS, table
 from nextn_graph.bench.run import padding_waste
 from nextn_graph.bench.trace import record_trace, round_trace
 from nextn_graph.config import PoolConfig, SpeculativeConfig, load_run_config
-from nextn_graph.graph.counting import ProfilerCounter
+from nextn_graph.profile.counting import ProfilerCounter
 from nextn_graph.runtime.engine import SpecEngine
 
 SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)
@@ -57,13 +57,13 @@ def test_split_config_measures_split_only(tmp_path):
 
 
 def test_phase_timer_sums_per_kind_in_round_order():
-    """The tracer keeps one sum per phase kind, in the order the phases ran, adds a
+    """The timer keeps one sum per phase kind, in the order the phases ran, adds a
     kind's repeated runs, and never syncs on CPU (every kernel has run on return)."""
     timer = PhaseTimer(torch.device("cpu"))
     assert timer.synchronized is False
     for _ in range(2):
         for kind in ("rollout", "target_verify", "draft_extend"):
-            with timer(kind, True):
+            with timer.phase(kind, True):
                 torch.ones(8).sum()
     assert list(timer.seconds) == ["rollout", "target_verify", "draft_extend"]
     assert all(v > 0 for v in timer.seconds.values())
@@ -135,23 +135,23 @@ def test_round_trace_neither_order():
 
 
 def test_record_trace_sets_the_trace_for_its_rounds_only():
-    """The runner's trace is a list during the traced rounds only, unset after, even when
-    a round raises; each round gets its own events and counter deltas."""
-    runner = SimpleNamespace(trace=None, read_wait_s=0.5,
+    """The runner has an event log as observer during the traced rounds only, unset
+    after, even when a round raises; each round gets its own events and counter deltas."""
+    runner = SimpleNamespace(observer=None, read_wait_s=0.5,
                              counters=SimpleNamespace(overlapped_rounds=7))
 
     def step():
-        runner.trace.append(_event("launch", 0.0, 1.0))
+        runner.observer.event("launch", 0.0, 1.0)
         runner.read_wait_s += 0.25
         runner.counters.overlapped_rounds += 1
 
     steps = record_trace(runner, step, 2)
-    assert runner.trace is None and len(steps) == 2
+    assert runner.observer is None and len(steps) == 2
     assert all(s["events"] == [_event("launch", 0.0, 1.0)] for s in steps)
     assert [(s["read_wait_s"], s["overlapped_rounds"]) for s in steps] == [(0.25, 1)] * 2
     with pytest.raises(ZeroDivisionError):
         record_trace(runner, lambda: 1 / 0, 2)
-    assert runner.trace is None
+    assert runner.observer is None
 
 
 def test_padding_waste_policy():

@@ -85,9 +85,11 @@ def test_tolerance_allows_only_tokens_near_the_reference_choice():
 def test_tolerance_rejects_most_wrong_tokens_on_real_outputs(trained):
     """On the trained model's fp32 outputs the check has teeth: the teacher-forced logits
     pick the reference's own tokens, and swapping in any other token at any position is
-    refused in at least 90% of cases (the runner-up alone at over 30% of positions)."""
+    refused in at least 90% of cases; over 30 prompts (720 positions) the runner-up alone
+    is refused at over 30% of positions (a statistic over few prompts swings with the
+    checkpoint: 0% to 70% a prompt set of three here)."""
     prompts = corpus_prompts(3, [12, 30]) + [random_prompt(20, 4)]
-    refused = runner_up_refused = positions = 0
+    refused = wrong = 0
     for prompt in prompts:
         ref, logits = fp32_reference(trained, prompt, 24, [])
         assert logits.argmax(-1).tolist() == ref
@@ -95,10 +97,14 @@ def test_tolerance_rejects_most_wrong_tokens_on_real_outputs(trained):
             for tok in range(logits.shape[1]):
                 if tok != ref[i]:
                     refused += not within_tolerance(ref[:i] + [tok], ref[:i + 1], logits)
-        positions += len(ref)
-        runner_up_refused += sum(m >= BF16_TOLERANCE for m in top2_margins(logits))
-    wrong = positions * (trained.cfg.vocab_size - 1)
+        wrong += len(ref) * (trained.cfg.vocab_size - 1)
     assert refused >= 0.9 * wrong, (refused, wrong)
+    runner_up_refused = positions = 0
+    for seed in range(10):
+        for prompt in corpus_prompts(seed, [12, 30]) + [random_prompt(20, seed)]:
+            ref, logits = fp32_reference(trained, prompt, 24, [])
+            runner_up_refused += sum(m >= BF16_TOLERANCE for m in top2_margins(logits))
+            positions += len(ref)
     assert runner_up_refused > 0.3 * positions, (runner_up_refused, positions)
 
 

@@ -23,7 +23,7 @@ from nextn_graph.config import (GraphConfig, PoolConfig, SpeculativeConfig, comp
 from nextn_graph.errors import ConfigError
 from nextn_graph.generate import reference_generate
 from nextn_graph.graph.backends import make_backend
-from nextn_graph.graph.counting import OUTSIDE_PHASES, OpCounter
+from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter
 from nextn_graph.runtime.engine import SpecEngine
 
 REPO = Path(__file__).resolve().parents[1]

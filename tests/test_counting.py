@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity
 
 from nextn_graph.bench.measure import count_round
 from nextn_graph.graph.backends import CpuBackend
-from nextn_graph.graph.counting import OUTSIDE_PHASES, OpCounter, ProfilerCounter
+from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter, ProfilerCounter
 from nextn_graph.graph.runner import HostTransfers, ReplayCounters, RoundRunner
 from nextn_graph.runtime.buffers import RequestState, RoundBuffers
 
@@ -40,7 +40,7 @@ def _mm_round(runner, replayed: str | None = None):
     def step():
         a @ a
         for kind in KINDS:
-            with runner.tracer(kind, kind == replayed):
+            with runner.observer.phase(kind, kind == replayed):
                 a @ a
                 a.t() @ a  # a view, then a kernel
     return step
@@ -49,17 +49,17 @@ def _mm_round(runner, replayed: str | None = None):
 @pytest.mark.parametrize("counter", counters(), ids=["dispatch", "profiler"])
 def test_one_counter_per_round_split_by_phase(counter):
     """The round's total is the sum of its phases and what ran outside them, all 7 mm."""
-    runner = SimpleNamespace(tracer=None)
+    runner = SimpleNamespace(observer=None)
     got = count_round(runner, _mm_round(runner), counter)
     assert got["phases"] == {kind: 2 for kind in KINDS}
     assert got["outside_phases"] == 1
     assert got["launches"] == 7 == sum(got["phases"].values()) + got["outside_phases"]
-    assert runner.tracer is None  # the hook is removed after the round
+    assert runner.observer is None  # the hook is removed after the round
 
 
 @pytest.mark.parametrize("counter", counters(), ids=["dispatch", "profiler"])
 def test_replayed_phase_is_not_marked(counter):
-    runner = SimpleNamespace(tracer=None)
+    runner = SimpleNamespace(observer=None)
     got = count_round(runner, _mm_round(runner, replayed="target_verify"), counter)
     assert got["phases"] == {"rollout": 2, "draft_extend": 2}
     assert got["outside_phases"] == 3 and got["launches"] == 7

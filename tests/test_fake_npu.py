@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn_graph.graph.fake_npu import make_fake_npu
 
 from helpers import (IFA_OP, PA_OP, ifa_inputs, ifa_standin, pa_inputs, pa_standin, seqlen_op,
                      define_op)
+from fake_npu import make_fake_npu
 
 
 def _capture(fake, fn, auto: bool = True):

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import RequestFailed
 from nextn_graph.generate import reference_generate
+from nextn_graph.graph.runner import RoundObserver
 from nextn_graph.runtime.engine import SpecEngine
 
 from helpers import corpus_prompts, random_prompt
@@ -40,10 +41,10 @@ class InjectedFault(RuntimeError):
     pass
 
 
-class Faults(TorchFunctionMode):
+class Faults(TorchFunctionMode, RoundObserver):
     """Raises ``error`` once at each named point of a step (see ``POINTS``).
 
-    Phases are seen through the runner's tracer hook (``kind@chunk``), the
+    Phases are seen as the runner's observer (``kind@chunk``), the
     prefill through a forward pre-hook on the target (outside any phase), and
     readbacks as the ``tolist`` host syncs (``readback@chunk`` after a round's
     phases, ``prefill_readback`` otherwise).
@@ -53,11 +54,11 @@ class Faults(TorchFunctionMode):
         super().__init__()
         self.eng, self.points, self.error, self.fired = eng, set(points), error, []
         self.chunk, self.in_round = -1, False
-        eng.runner.tracer = self._phase
+        eng.runner.observer = self
         self._hook = eng.models.target.register_forward_pre_hook(self._prefill)
 
     def close(self) -> None:
-        self.eng.runner.tracer = None
+        self.eng.runner.observer = None
         self._hook.remove()
 
     def _fire(self, point: str) -> None:
@@ -67,7 +68,7 @@ class Faults(TorchFunctionMode):
             raise self.error(f"injected fault at {point}")
 
     @contextmanager
-    def _phase(self, kind: str, replayed: bool):
+    def phase(self, kind: str, replayed: bool):
         if kind == self.eng.runner.phases.kinds[0]:
             self.chunk += 1
         self.in_round = True

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nextn_graph.checkpoint import random_models
-from nextn_graph.graph.counting import OpCounter
+from nextn_graph.profile.counting import OpCounter
 from nextn_graph.graph.emulator import CpuGraph
 from nextn_graph.model import config_from_dict
 from nextn_graph.model.moe import MoE

@@ -26,7 +26,6 @@ from nextn_graph.errors import ConfigError
 from nextn_graph.generate import reference_generate
 from nextn_graph.graph.backends import make_backend
 from nextn_graph.graph.emulator import CaptureError
-from nextn_graph.graph.fake_npu import make_fake_npu
 from nextn_graph.graph.compile import torchair_backend
 from nextn_graph.graph.npu import NpuBackend
 from nextn_graph.graph.updates import UpdateContext, UpdateRegistry
@@ -34,6 +33,7 @@ from nextn_graph.runtime.engine import SpecEngine
 
 from helpers import (IFA_OP, PA_OP, SEQLEN_OP, ifa_inputs, ifa_standin, npu_registry,
                      pa_inputs, pa_standin)
+from fake_npu import make_fake_npu
 
 SPEC = SpeculativeConfig(num_steps=3, num_draft_tokens=4)
 POOL = PoolConfig(4, 128)
@@ -290,7 +290,7 @@ def test_importing_the_package_never_imports_torch_npu(tmp_path):
         "raise ImportError('poisoned torch_npu')\n")
     code = textwrap.dedent("""
         import nextn_graph, nextn_graph.graph, nextn_graph.graph.backends
-        import nextn_graph.graph.npu, nextn_graph.graph.fake_npu, nextn_graph.runtime.engine
+        import nextn_graph.graph.npu, nextn_graph.runtime.engine
         from nextn_graph.graph.backends import make_backend
         make_backend("cpu"), make_backend("eager")
         print("<modules imported>", flush=True)

@@ -18,7 +18,7 @@ import torch
 from nextn_graph.bench.work import bench_profile, profile_lines, profile_section
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
-from nextn_graph.graph.counting import OpCounter
+from nextn_graph.profile.counting import OpCounter
 from nextn_graph.model import config as model_config
 from nextn_graph.model.config import config_from_dict
 from nextn_graph.model.quant import QuantLinear

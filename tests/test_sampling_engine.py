@@ -22,7 +22,7 @@ import torch
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import InputError
 from nextn_graph.generate import plain_generate, reference_generate
-from nextn_graph.graph.fake_npu import make_fake_npu
+from nextn_graph.graph.runner import RoundObserver
 from nextn_graph.graph.npu import NpuBackend
 from nextn_graph.graph.updates import UpdateRegistry
 from nextn_graph.runtime import sampling
@@ -30,6 +30,7 @@ from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.sampling import SamplingParams
 
 from helpers import corpus_prompts, random_prompt
+from fake_npu import make_fake_npu
 
 SPEC = SpeculativeConfig(num_steps=3)
 POOL = PoolConfig(max_requests=6, max_context=96)
@@ -176,13 +177,14 @@ def test_a_fault_in_a_sampling_chunk_fails_only_its_requests(trained):
     eng = SpecEngine(trained.target, trained.draft, SPEC, POOL, cfg)
     calls = []
 
-    @contextlib.contextmanager
-    def tracer(kind, replayed):  # around each phase: 3 chunks (2, 2, 1) of 3 phases a round
-        calls.append(kind)
-        if len(calls) == 13:  # round 2, chunk 2, its rollout
-            raise RuntimeError("injected")
-        yield
-    eng.runner.tracer = tracer
+    class Inject(RoundObserver):
+        @contextlib.contextmanager
+        def phase(self, kind, replayed):  # 3 chunks (2, 2, 1) of 3 phases a round
+            calls.append(kind)
+            if len(calls) == 13:  # round 2, chunk 2, its rollout
+                raise RuntimeError("injected")
+            yield
+    eng.runner.observer = Inject()
     rids = [eng.add_request(p, 12, stop_ids=[], sampling=s) for p, s in zip(prompts, smp)]
     outs, errors = collections.defaultdict(list), {}
     while eng.has_work:

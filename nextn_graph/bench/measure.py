@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from ..graph.counting import RoundCounter, compiled_counter, launch_counter
+from ..profile.counting import RoundCounter, compiled_counter, launch_counter
 from ..runtime.engine import SpecEngine
 from ..train import Corpus, TrainSettings
 from .e2e import E2E_MAX_NEW, e2e_max_new, e2e_run, e2e_modes, e2e_summary
@@ -77,14 +77,14 @@ def _time_phases(engine: SpecEngine, n: int, rounds: int) -> dict:
     """``rounds`` steady rounds under a ``PhaseTimer``: their wall times and the seconds
     of each phase summed over them."""
     timer, walls = PhaseTimer(engine.device), []
-    engine.runner.tracer = timer
+    engine.runner.observer = timer
     try:
         for _ in range(rounds):
             start = time.perf_counter()
             _steady(engine.step(), n)
             walls.append(time.perf_counter() - start)
     finally:
-        engine.runner.tracer = None
+        engine.runner.observer = None
     return {"round_s": walls, "phase_s": dict(timer.seconds),
             "synchronized": timer.synchronized}
 

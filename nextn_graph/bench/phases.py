@@ -1,5 +1,5 @@
 """Observing a round phase by phase: its launches (``count_round``) and its time
-(``PhaseTimer``), both through the runner's tracer hook (``runner.tracer``)."""
+(``PhaseTimer``), both as the runner's observer (``runner.observer``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from ..graph.counting import OUTSIDE_PHASES, RoundCounter
+from ..graph.runner import RoundObserver
+from ..profile.counting import OUTSIDE_PHASES, RoundCounter
 
 
 def count_round(runner, step: Callable[[], object], counter: RoundCounter,
@@ -19,22 +20,29 @@ def count_round(runner, step: Callable[[], object], counter: RoundCounter,
     submission, split by the phases that ran eagerly (a replayed phase is one submission,
     the runner's to count) and ``OUTSIDE_PHASES`` for the rest (staging, readback).
     ``trace_replays``: replays are phases too (a compiled graph's call is many launches)."""
-    def tracer(kind: str, replayed: bool):
-        return nullcontext() if replayed and not trace_replays else counter.phase(kind)
-
-    runner.tracer = tracer
+    runner.observer = _PhaseCounter(counter, trace_replays)
     try:
         with counter:
             step()
     finally:
-        runner.tracer = None
+        runner.observer = None
     per_phase = dict(counter.per_phase)
     return {"launches": counter.launches, "method": counter.method,
             "outside_phases": per_phase.pop(OUTSIDE_PHASES, 0), "phases": per_phase}
 
 
-class PhaseTimer:
-    """A runner tracer (``runner.tracer``): host seconds per phase kind of the rounds it
+class _PhaseCounter(RoundObserver):
+    """Marks each eagerly run phase (and with ``trace_replays`` each replayed one)."""
+
+    def __init__(self, counter: RoundCounter, trace_replays: bool):
+        self.counter, self.trace_replays = counter, trace_replays
+
+    def phase(self, kind: str, replayed: bool):
+        return nullcontext() if replayed and not self.trace_replays else self.counter.phase(kind)
+
+
+class PhaseTimer(RoundObserver):
+    """A runner observer (``runner.observer``): host seconds per phase kind of the rounds it
     watches. On CPU every kernel has run when a phase returns; on a device a phase's
     time would be its launch time only, so there each phase starts and ends with a device
     sync (staging before it and its kernels inside it), which is why the bench times
@@ -47,7 +55,7 @@ class PhaseTimer:
         self._sync = (lambda: module.synchronize(device)) if module else (lambda: None)
 
     @contextmanager
-    def __call__(self, kind: str, replayed: bool):
+    def phase(self, kind: str, replayed: bool):
         self._sync()
         start = time.perf_counter()
         yield

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..graph.counting import OUTSIDE_PHASES, counts_every_launch
+from ..profile.counting import OUTSIDE_PHASES, counts_every_launch
 from ..graph.runner import COUNTED_AS
 from ..runtime.engine import SpecEngine
 from .engines import Engines

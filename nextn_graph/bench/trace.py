@@ -1,8 +1,8 @@
 """The per-round trace of the fused round, overlap off and on (issue 12: with overlap
 the host's read of round k is off round k+1's critical path).
 
-``record_trace`` sets ``runner.trace`` for a few steady rounds only: the runner appends
-one event per chunk half, ``launch`` (staging, replays, starting the readback copy)
+``record_trace`` observes a few steady rounds only (``runner.observer``): the runner
+reports one event per chunk half, ``launch`` (staging, replays, starting the readback copy)
 and ``read`` (waiting for that copy and decoding it), in perf_counter seconds.
 ``round_trace`` names each event's round and derives the check: with overlap, round
 k+1's launch starts before round k's read starts; in step, round k's read ends before
@@ -14,16 +14,29 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
+from ..graph.runner import RoundObserver
+
 # Steady rounds traced per run: three or more launch/read pairs, and a short JSON.
 TRACE_ROUNDS = 4
 
 
+class EventLog(RoundObserver):
+    """A runner observer that keeps every event as {"event", "start", "end"}."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    def event(self, name: str, start: float, end: float) -> None:
+        self.events.append({"event": name, "start": start, "end": end})
+
+
 def record_trace(runner, step: Callable[[], object], rounds: int) -> list[dict]:
-    """Run ``step`` (one steady round) ``rounds`` times with ``runner.trace`` set, unset
-    after: per round, its events, the seconds its reads waited (``runner.read_wait_s``)
+    """Run ``step`` (one steady round) ``rounds`` times under an ``EventLog`` observer,
+    removed after: per round, its events, the seconds its reads waited (``runner.read_wait_s``)
     and its overlapped rounds (1 where it was launched with an earlier round unread)."""
     steps: list[dict] = []
-    runner.trace = events = []
+    log = runner.observer = EventLog()
+    events = log.events
     try:
         for _ in range(rounds):
             first, wait = len(events), runner.read_wait_s
@@ -32,7 +45,7 @@ def record_trace(runner, step: Callable[[], object], rounds: int) -> list[dict]:
             steps.append({"events": events[first:], "read_wait_s": runner.read_wait_s - wait,
                           "overlapped_rounds": runner.counters.overlapped_rounds - overlapped})
     finally:
-        runner.trace = None
+        runner.observer = None
     return steps
 
 

@@ -3,7 +3,7 @@ backend is the ``torchair`` case of ``compile.py``).
 
 Imported only when one is chosen: ``torch_npu`` breaks ``import torch`` on a
 machine without the CANN toolkit. The backend takes its module as an argument, so
-the CPU test suite drives it against ``fake_npu.make_fake_npu()``, a namespace
+the CPU test suite drives it against ``tests/fake_npu.make_fake_npu()``, a namespace
 backed by the strict emulator. It has not run on Ascend hardware yet.
 """
 

@@ -23,11 +23,12 @@ chunk's readback succeeded.
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager, Protocol
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -45,6 +46,19 @@ from .updates import UpdateContext, UpdateRegistry
 COUNTED_AS = ("graph replays + staging copies (host->device slots, 1 per chunk) + readback "
               "copies (device->host, 1 per chunk) + graph updates (1 per recorded "
               "updatable op) + ops of phases run eagerly")
+
+
+class RoundObserver:
+    """An optional measurement hook of a runner (the bench's phase counter, phase timer
+    and per-round trace; the tests' fault injection). Both methods do nothing here:
+    an observer overrides what it watches."""
+
+    def phase(self, kind: str, replayed: bool) -> ContextManager:
+        """Around each phase of a chunk; ``replayed``: a graph ran it (else eager)."""
+        return nullcontext()
+
+    def event(self, name: str, start: float, end: float) -> None:
+        """A chunk's ``launch`` or ``read`` half took [start, end] (perf_counter s)."""
 
 
 class Phases(Protocol):
@@ -71,7 +85,7 @@ class Phases(Protocol):
 @dataclass
 class ReplayCounters(Counters):
     """Every device submission the runner issues (``SUBMISSIONS``), and the round shapes.
-    The ops of a phase left eager are the bench's to count (``graph.counting``)."""
+    The ops of a phase left eager are the bench's to count (``profile.counting``)."""
 
     SUBMISSIONS = ("graph_replays", "staging_copies", "readback_copies", "graph_updates")
 
@@ -140,17 +154,15 @@ class RoundRunner:
     # The tensor-parallel group's counts of collectives issued from Python (a capture
     # issues a graph's once; replays re-issue them unseen); None: no group.
     collectives: CollectiveCounts | None = None
-    # Profiling hook: tracer(kind, replayed) -> context manager around each phase.
-    tracer: Callable[[str, bool], ContextManager] | None = None
+    observer: RoundObserver | None = None  # measurement only; None in serving
+    # phases run, by (kind, bucket, "graph" | "eager"), since start: never reset
+    phase_runs: collections.Counter = field(default_factory=collections.Counter)
     _addresses: dict[str, int] = field(default_factory=dict)
     _collectives: dict[tuple[str, int], int] = field(default_factory=dict)  # per graph
     # host seconds spent inside graph replay calls (the rest of a round is host work:
     # staging, readback, updates, eager phases, the engine's bookkeeping)
     replay_s: float = 0.0
     read_wait_s: float = 0.0  # host seconds waiting for readbacks (the copy and its event)
-    # when a list: one {"event": "launch" | "read", "start", "end"} per chunk half
-    # (perf_counter seconds), for the bench's per-round trace
-    trace: list | None = None
     # (bucket, slots) the device's staged slots hold after the last chunk, when known
     _resident: tuple | None = None
     _host: HostTransfers = field(init=False)
@@ -248,7 +260,8 @@ class RoundRunner:
         c.sampled_rounds += int(sampled)
         for kind in self._round_kinds(sampled):
             graph = self.graphs.get((kind, bucket))
-            with self.tracer(kind, graph is not None) if self.tracer else nullcontext():
+            self.phase_runs[kind, bucket, "eager" if graph is None else "graph"] += 1
+            with self.observer.phase(kind, graph is not None) if self.observer else nullcontext():
                 self._run_phase(kind, bucket, graph, slots, lengths)
         if self.phases.fused:  # the round flipped the staged slots to its new copies
             rows = self.phases.state.rows
@@ -272,8 +285,8 @@ class RoundRunner:
                            [r[1 + n:] for r in rows])
 
     def _record(self, event: str, start: float) -> None:
-        if self.trace is not None:
-            self.trace.append({"event": event, "start": start, "end": time.perf_counter()})
+        if self.observer is not None:
+            self.observer.event(event, start, time.perf_counter())
 
     def _run_phase(self, kind: str, bucket: int, graph: Graph | None, slots: list[int],
                    lengths: list[int]) -> None:

@@ -4,7 +4,7 @@ Rank 0 owns the scheduler; the other ranks (followers) execute what it decided, 
 every rank runs the same forwards, graphs and collectives in the same order. A
 steady round costs ONE small broadcast, before its staging copy: a fixed-size int64
 message ``[ROUND, engine, n, 0, slots(n), lengths(n)]`` (rows beyond ``INLINE_ROWS``
-follow in a second one). Rare commands (build an engine, admit prompts, run a
+follow in a second one). Rare commands (build an engine, prefill prompt chunks, run a
 mirrored call, shut down) carry a pickled payload in a second broadcast.
 
 Messages go over the group's host process group (gloo), never the device one: the
@@ -31,12 +31,12 @@ _HEAD = 4
 
 class Cmd(IntEnum):
     ROUND = 1  # engine, slots, committed lengths: run one decode round
-    OBJECT = 2  # a pickled Message follows (build, admit, call, shutdown)
+    OBJECT = 2  # a pickled Message follows (build, prefill, call, shutdown)
 
 
 @dataclass(frozen=True)
 class Message:
-    kind: str  # "round" | "build" | "admit" | "call" | "shutdown"
+    kind: str  # "round" | "build" | "prefill" | "call" | "shutdown"
     engine: int = -1
     payload: Any = None  # round: (slots, lengths); others: the command's arguments
 

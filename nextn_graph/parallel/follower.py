@@ -2,7 +2,7 @@
 
 Rank 0 runs the user's program (a server, ``generate``, the bench) and its engines
 send each decision over the group's ``Channel``: build an engine (every rank then
-builds and captures the same one), admit prompts into rows, run a round over
+builds and captures the same one), prefill prompt chunks into rows, run a round over
 slots, run a mirrored call (reference decoding), shut down. A follower never
 reads tokens back and never decides: its state follows rank 0's exactly because
 every forward is the same and every collective result is the same on every rank.
@@ -67,8 +67,8 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
                 raise ParallelError(f"tensor parallelism: rank {group.rank} built engine "
                                     f"{engine.engine_id}, rank 0 engine {msg.engine}")
             engines[msg.engine] = engine
-        elif msg.kind == "admit":
-            engines[msg.engine].follow_admit(*msg.payload)
+        elif msg.kind == "prefill":
+            engines[msg.engine].follow_prefill(*msg.payload)
         elif msg.kind == "round":
             engines[msg.engine].follow_round(*msg.payload)
         elif msg.kind == "call":

@@ -1,5 +1,5 @@
 """The work counter: one ``TorchDispatchMode`` over a round, recording every
-kernel-launching op (``graph.counting.launches_kernel``, the rule ``OpCounter`` counts
+kernel-launching op (``counting.launches_kernel``, the rule ``OpCounter`` counts
 eager submissions by) with its bytes, FLOPs, phase and module kind.
 
 Records are aggregated as they come: ``work`` maps (phase, kind, op, bytes read,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..graph.counting import PhasedMode, launches_kernel
+from .counting import PhasedMode, launches_kernel
 from .flops import Flops, flop_rule
 from .kinds import KindResolver
 from .memo import MetaMemo, can_remember

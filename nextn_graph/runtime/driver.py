@@ -1,7 +1,8 @@
 """The round's driver: run every running request's decode round and commit it.
 
 ``RoundDriver`` is the part of ``SpecEngine`` that drives rounds (the engine owns
-requests, admission and failure; this owns one round's launch, read and commit).
+requests and failure, ``PrefillDriver`` admission and prefill; this owns one round's
+launch, read and commit).
 
 Two ways to drive a round:
 
@@ -151,13 +152,9 @@ class RoundDriver:
         st.proposed_drafts += b * s
         st.accepted_drafts += sum(res.accept_lens) - b
         for req, a, preds, drafts in zip(chunk, res.accept_lens, res.preds, res.drafts):
-            self._commit(req, preds[:a], drafts, hold=id(req) in held)
+            self._commit(req, preds[:a], drafts, hold=id(req) in held, accepted=a - 1)
 
     # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
-    @torch.no_grad()
-    def follow_admit(self, rows: list[int], prompts: list[list[int]], params: list) -> None:
-        self._prefill_rows(rows, prompts, params)
-
     @torch.no_grad()
     def follow_round(self, slots: list[int], lengths: list[int]) -> None:
         """Rank 0's round, chunk for chunk, without reading anything back."""

@@ -1,8 +1,10 @@
 """The embeddable engine: requests join and leave between rounds.
 
-``add_request`` queues a request; ``step`` admits what the pool can hold
-(prefill + draft extend for prefill, eager), then runs one speculative round for
-every running request and returns each request's newly committed tokens. A
+``add_request`` queues a request; ``step`` admits what the pool can hold and
+prefills up to ``scheduler.prefill_token_budget`` prompt tokens (prefill + draft
+extend for prefill, eager; a longer prompt goes in chunks over several steps, see
+``runtime/prefill.py``), then runs one speculative round for every running request
+and returns each request's newly committed tokens. A
 finished request's pool row goes back at once. Per-request device state lives in
 tables indexed by pool row, so a round gathers it with one index tensor and the
 only host sync of a round is reading the accepted tokens back.
@@ -10,12 +12,13 @@ only host sync of a round is reading the accepted tokens back.
 A step is all-or-nothing per request. The host's outputs are the source of
 truth; a round writes each request's next device state into a second copy
 (``RequestState``) that counts only once the host committed it. A fault (an
-exception from a kernel, out of memory, a bug) in a unit of work (the prefill
-of the newly admitted requests, or one bucket-sized chunk of the round) fails
+exception from a kernel, out of memory, a bug) in a unit of work (the step's
+prefill of its prompt chunks, or one bucket-sized chunk of the round) fails
 exactly that unit's requests, each with its error and its row released; every
 other request is committed or untouched. An interrupt (``KeyboardInterrupt``)
-commits nothing of the round, puts requests being admitted back at the head of
-the queue and propagates; outputs made before it are delivered by the next step.
+commits nothing of the round, puts requests being prefilled in it back at the head of
+the queue (their prefill starts over) and propagates; outputs made before it are
+delivered by the next step.
 """
 
 from __future__ import annotations
@@ -25,10 +28,9 @@ import logging
 import time
 from typing import Iterable, Sequence
 
-import torch
-
-from ..config import (GraphConfig, PoolConfig, RunConfig, SpeculativeConfig, check_pool,
-                      check_section, resolve_graph, resolve_speculative)
+from ..config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig,
+                      check_pool, check_scheduler, check_section, resolve_graph,
+                      resolve_speculative)
 from ..errors import InputError, ParallelError, RequestFailed
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
@@ -42,29 +44,36 @@ from ..graph.updates import UpdateRegistry
 from . import phases
 from .buffers import RequestState, RoundBuffers, SamplingTables
 from .driver import RoundDriver
+from .prefill import PrefillDriver
 from .round import RoundPhases
 from .request import Request, StepOutput
-from .sampling import RowParams, SamplingParams, sampling_params, sampling_per_prompt
+from .sampling import SamplingParams, sampling_params, sampling_per_prompt
 from .stats import SpecStats
 
 log = logging.getLogger(__name__)
 
-class SpecEngine(RoundDriver):
+class SpecEngine(PrefillDriver, RoundDriver):
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                  spec: SpeculativeConfig | None, pool: PoolConfig,
                  graph: GraphConfig | None = None,
                  backend: GraphBackend | None = None, updates: UpdateRegistry | None = None,
-                 progress: bool = False):
+                 progress: bool = False, scheduler: SchedulerConfig | None = None):
         """Start-up in a fixed order: pools, static state and buffers, then capture.
 
         ``spec`` None decodes plainly (no draft: one target row per request and
         round), over the same buffers and graphs, for like-for-like comparisons.
         ``graph`` None runs eagerly; otherwise its backend (or ``backend``, an
         already-built one, e.g. the NPU adapter over a fake namespace) captures the
-        phases of every bucket before the first request.
+        phases of every bucket before the first request. ``scheduler`` None: an
+        unlimited prefill budget (every admitted prompt prefilled whole).
         """
         # Configs built in code are checked as strictly as those read from YAML.
         where = "SpecEngine"
+        # rank 0 alone schedules (the other ranks follow its chunks): checked before
+        # the other ranks are told to build
+        scheduler = check_section(scheduler or SchedulerConfig(), where, "scheduler.")
+        check_scheduler(scheduler, where)
+        self.prefill_budget = scheduler.prefill_token_budget
         self.tp: TPGroup = target.tp
         self._broken: str | None = None  # why a tensor-parallel group can no longer run
         if self.tp.parallel:
@@ -114,8 +123,9 @@ class SpecEngine(RoundDriver):
         # skips it (finished), so abort() is O(1) however long the queue.
         self._waiting: collections.deque[Request] = collections.deque()
         self._num_waiting = 0  # live requests in _waiting
+        self._prefilling: dict[int, Request] = {}  # by rid: rows held, prompts part done
         self._running: dict[int, Request] = {}  # by pool row
-        self._live: dict[int, Request] = {}  # by rid: waiting or running
+        self._live: dict[int, Request] = {}  # by rid: waiting, being prefilled or running
         self._outbox: list[StepOutput] = []  # made but not yet returned by step()
         self._next_rid = 0
         self.stats = SpecStats(verify_width=width)
@@ -127,7 +137,7 @@ class SpecEngine(RoundDriver):
 
         models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights)
         return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
-                   progress=progress)
+                   progress=progress, scheduler=cfg.scheduler)
 
     # -- requests --------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
@@ -192,7 +202,8 @@ class SpecEngine(RoundDriver):
 
     @property
     def has_work(self) -> bool:
-        return bool(self._num_waiting or self._running or self._outbox or self._inflight)
+        return bool(self._num_waiting or self._prefilling or self._running or self._outbox
+                    or self._inflight)
 
     @property
     def num_waiting(self) -> int:
@@ -216,18 +227,19 @@ class SpecEngine(RoundDriver):
     # -- commit and failure (host only) ------------------------------------------
     def _release(self, req: Request) -> None:
         """A request leaves the engine (finished, failed or aborted): its row goes back."""
-        self._running.pop(req.row, None)  # absent while being admitted
+        self._running.pop(req.row, None)  # absent while being prefilled
+        self._prefilling.pop(req.rid, None)
         self._live.pop(req.rid, None)
         self.models.target_pool.release(req.row)
 
     def _commit(self, req: Request, tokens: list[int], drafts: list[int],
-                hold: bool = False) -> None:
+                hold: bool = False, accepted: int | None = None) -> None:
         """``hold``: the request is in the round in flight, which releases its row."""
         kept = req.emit(tokens)
         self.stats.emitted_tokens += len(kept)
         if req.finished and not hold:
             self._release(req)
-        self._outbox.append(StepOutput(req.rid, kept, req.finished, drafts))
+        self._outbox.append(StepOutput(req.rid, kept, req.finished, drafts, accepted=accepted))
 
     def _fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
         """A fault in one unit of work: its requests fail, with the error, rows released."""
@@ -255,71 +267,6 @@ class SpecEngine(RoundDriver):
         self._broken = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
 
     # -- phases ----------------------------------------------------------------
-    @torch.no_grad()
-    def _admit(self) -> None:
-        pool = self.models.target_pool
-        new = []
-        while self._num_waiting and pool.free_rows:
-            req = self._waiting.popleft()
-            if req.finished:  # aborted while waiting
-                continue
-            req.row = pool.alloc()
-            self._num_waiting -= 1
-            new.append(req)
-        if not new:
-            return
-        try:
-            bonus = self._prefill(new)
-        except Exception as exc:
-            if self.tp.parallel:  # the ranks' states may now differ: nothing can go on
-                self._fail_group(new, exc, "prefill")
-            else:
-                self._fail(new, exc, "prefill")
-            return
-        except BaseException:  # an interrupt: back to the head of the queue, untouched
-            for req in reversed(new):
-                pool.release(req.row)
-                req.row = 0
-                self._waiting.appendleft(req)
-            self._num_waiting += len(new)
-            raise
-        self.stats.prefill_forwards += 1
-        self.stats.nextn_extend_forwards += int(self.num_steps > 0)
-        self.stats.prompt_tokens += sum(len(r.prompt) for r in new)
-        for req, tok in zip(new, bonus):
-            req.copy = 0
-            self._running[req.row] = req
-            self._commit(req, [tok], [])
-
-    def _prefill(self, new: list[Request]) -> list[int]:
-        """Prefill + draft extend into the rows' copy 0 -> the bonus tokens (host)."""
-        rows, prompts = [r.row for r in new], [r.prompt for r in new]
-        params = [r.sampling for r in new]
-        if self.tp.parallel:  # the other ranks prefill the same rows
-            self.tp.channel.send(Message("admit", self.engine_id, (rows, prompts, params)))
-        return self._prefill_rows(rows, prompts, params).tolist()
-
-    def _prefill_rows(self, rows: list[int], prompts: list[list[int]],
-                      params: list[SamplingParams]) -> torch.Tensor:
-        """Every rank's part of an admission: -> the bonus tokens [B] (on the device)."""
-        sampled = [not p.greedy for p in params]
-        row_params = RowParams.of(params, self.device) if any(sampled) else None
-        bonus, cand1, seed, q1 = phases.prefill(self.models, rows, prompts, self.device,
-                                                with_draft=self.num_steps > 0,
-                                                params=row_params)
-        slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        self.state.store(slots, lengths, bonus, cand1, seed)
-        if self.samples:  # every row's parameters, greedy ones too (a sampling chunk
-            tables = self.runner.phases.sampling  # gathers them for all its rows)
-            tables.store(torch.tensor(rows, device=self.device),
-                         row_params or RowParams.of(params, self.device))
-            if q1 is not None:
-                tables.q1.index_put_((slots,), q1)
-        for row, s in zip(rows, sampled):
-            self._sampled_rows[row] = s
-        return bonus
-
     def _chunk_samples(self, slots: list[int]) -> bool:
         """Whether a chunk runs the sampling variants: one of its requests samples."""
         rows = self.state.rows
@@ -339,7 +286,8 @@ class SpecEngine(RoundDriver):
         """
         if self.has_work:
             raise InputError(f"generate() runs a batch on an idle engine; this one has "
-                             f"{len(self._waiting) + len(self._running)} requests in flight "
+                             f"{self._num_waiting + len(self._prefilling) + len(self._running)} "
+                             f"requests in flight "
                              f"(drive them with step())")
         # All-or-nothing: a bad prompt or stop id raises before any request is queued.
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)

@@ -117,20 +117,30 @@ def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tenso
     return draw(q1, params.uniform(base, 1, DRAFT)), q1
 
 
-def prefill(m: SpecModels, rows: list[int], prompts: list[list[int]], device,
+def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
             with_draft: bool = True, params: RowParams | None = None):
-    """Eager, variable length: target over the prompts, then draft extend for prefill.
+    """Eager, variable length: target over prompt chunks, then draft extend for them.
 
-    NextN row p pairs token p+1 with target hidden p; the last row pairs the bonus
-    with the last hidden. -> (bonus [B], candidate 1 [B], seed [B, hc*H], q of
-    candidate 1 [B, V] or None); without the draft (plain decoding) candidate 1 and
-    the seed are zeros. With ``params`` the bonus (position P, a round based at
-    P - 1) and candidate 1 (the first round's, based at P) are drawn.
+    Chunk c holds prompt positions ``start .. start+len-1`` of its row (KV of the
+    positions before ``start`` is in the pools: chunked prefill). NextN row p pairs
+    token p+1 with target hidden p: the chunk's own next token, and at its last row
+    ``nexts[c]``, the prompt's next token for a chunk that ends before the prompt
+    does, or None for a final chunk, whose last row pairs the bonus with the last
+    hidden. So a chunk's draft extend needs nothing from later chunks.
+    -> for the final chunks, in order (F of them): (bonus [F], candidate 1 [F],
+    seed [F, hc*H], q of candidate 1 [F, V] or None); without the draft (plain
+    decoding) candidate 1 and the seed are zeros. ``params``: the final chunks'
+    (None: greedy); the bonus (position P, a round based at P - 1) and candidate 1
+    (the first round's, based at P) are drawn.
     """
-    batch = ForwardBatch.from_chunks([Chunk(r, 0, p) for r, p in zip(rows, prompts)], device)
+    batch = ForwardBatch.from_chunks(chunks, device)
     out = m.target(batch, m.target_pool)
-    lens = torch.tensor([len(p) for p in prompts], device=device)  # [B] P
-    last = lens.cumsum(0) - 1  # [B]
+    ends = [len(c.tokens) for c in chunks]
+    ends = [sum(ends[:i + 1]) - 1 for i in range(len(ends))]  # each chunk's last row
+    final = [i for i, n in enumerate(nexts) if n is None]
+    last = torch.tensor([ends[i] for i in final], device=device, dtype=torch.long)  # [F]
+    lens = torch.tensor([chunks[i].start + len(chunks[i].tokens) for i in final],
+                        device=device, dtype=torch.long)  # [F] P
     if params is None:
         bonus = out.logits[last].argmax(dim=-1)
     else:
@@ -138,6 +148,10 @@ def prefill(m: SpecModels, rows: list[int], prompts: list[list[int]], device,
     if not with_draft:
         return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last]), None
     shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p
+    cont = [i for i, n in enumerate(nexts) if n is not None]
+    if cont:  # a chunk that stops inside its prompt: the prompt's next token
+        shifted[[ends[i] for i in cont]] = torch.tensor([nexts[i] for i in cont],
+                                                        device=device, dtype=shifted.dtype)
     shifted = shifted.index_put((last,), bonus)
     draft_batch = dataclasses.replace(batch, input_ids=shifted)
     dout = m.draft(draft_batch, out.hidden, m.draft_pool)

@@ -22,6 +22,9 @@ class Request:
     sampling: SamplingParams = GREEDY  # checked and resolved (a seed chosen)
     output: list[int] = field(default_factory=list)
     row: int = 0  # pool request row once admitted (0 = not yet)
+    # prompt positions whose KV the pools hold: grows chunk by chunk while the request
+    # is prefilled (only after a chunk's forward succeeded), the prompt's length after
+    prefilled: int = 0
     copy: int = 0  # which of the row's two state copies holds the committed state
     finished: bool = False
 
@@ -49,3 +52,6 @@ class StepOutput:
     finished: bool
     draft_tokens: list[int]  # the candidates proposed this round (empty at prefill)
     error: str | None = None  # set when a fault failed the request (finished too)
+    # drafts the target confirmed in this round (accept_len - 1, before stop and length
+    # cuts); None for a prefill's output or a failure
+    accepted: int | None = None

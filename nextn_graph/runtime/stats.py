@@ -13,14 +13,15 @@ class SpecStats(Counters):
 
     rounds: int = 0  # decode rounds (each: rollout, verify, accept, draft extend)
     request_rounds: int = 0  # sum over rounds of the requests in it
-    prefill_forwards: int = 0  # target forwards over prompts
+    prefill_forwards: int = 0  # target forwards over prompts (one a step, all its chunks)
     verify_forwards: int = 0  # target forwards over B*N verify windows
     nextn_extend_forwards: int = 0  # draft extend, for prefill and for decode
     nextn_decode_forwards: int = 0  # rollout decode calls (S - 1 per round)
     proposed_drafts: int = 0  # candidates proposed, S per request per round
     accepted_drafts: int = 0  # candidates the target confirmed (accept_lens - 1)
     emitted_tokens: int = 0  # tokens returned to callers (after stop / length cuts)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # of the prompts whose prefill finished
+    prefill_chunks: int = 0  # request chunks prefilled (a prompt prefilled whole is one)
     faults: int = 0  # units of work (a prefill, a round chunk) that raised
     failed_requests: int = 0  # requests those faults failed
     verify_width: int = 0  # N of the runs counted here

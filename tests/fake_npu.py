@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .emulator import CpuGraph
-from .updates import TORCH_NPU_HANDLERS
+from nextn_graph.graph.emulator import CpuGraph
+from nextn_graph.graph.updates import TORCH_NPU_HANDLERS
 
 
 @dataclass

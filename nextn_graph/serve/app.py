@@ -1,0 +1,187 @@
+"""The FastAPI app: OpenAI's completions and chat completions, models, health, metrics.
+
+Every refusal is an ``APIError`` rendered in OpenAI's error shape (unknown routes and
+unexpected exceptions too: a client never sees a traceback). The engine lives on its
+own thread (``worker``), started with the app and stopped after its last request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from ..runtime.engine import SpecEngine
+from .errors import APIError
+from .limits import Admission, ServeSettings, check_api_key, read_body
+from .metrics import ServeMetrics
+from .protocol import ModelInfo, parse_request
+from .responses import DONE, Shaper, sse
+from .session import Session
+from .worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    """Everything one app instance owns (no module globals)."""
+
+    def __init__(self, settings: ServeSettings, build, rows: int, on_failed):
+        self.settings = settings
+        self.metrics = ServeMetrics()
+        self.worker = EngineWorker(build, self.metrics, on_failed)
+        self.admission = Admission(rows, settings.max_waiting, settings.retry_after_s)
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM: admit nothing more; requests in flight get the grace period."""
+        if self.draining:  # a second signal does not extend the grace
+            return
+        self.draining = True
+        self.worker.drain(self.settings.shutdown_grace_s)
+
+    def info(self) -> ModelInfo:
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if self.worker.failed:
+            raise APIError(503, f"the engine failed to start: {self.worker.failed}")
+        if self.worker.info is None:
+            raise APIError(503, "the engine is starting (capturing its graphs); retry shortly",
+                           headers={"Retry-After": "1"})
+        return self.worker.info
+
+
+class _Streamed(StreamingResponse):
+    """A streamed response that always runs ``on_end``, even if its body never started
+    (a client that left before the first chunk)."""
+
+    def __init__(self, content, on_end: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def create_app(settings: ServeSettings, build: Callable[[], tuple[SpecEngine, ModelInfo]],
+               rows: int, on_failed: Callable[[], None] = lambda: None) -> FastAPI:
+    """``build`` makes the engine (on the engine thread); ``rows``: its pool's rows;
+    ``on_failed`` runs (on the engine thread) when the build raised."""
+    state = ServerState(settings, build, rows, on_failed)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.worker.start()
+        yield
+        await asyncio.to_thread(state.worker.stop)
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        if 400 <= exc.status < 499:  # refusals (not a client gone, a fault, a stop)
+            state.metrics.rejected.labels(str(exc.status)).inc()
+        return _error(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return _error(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.error("unexpected error serving %s", request.url.path, exc_info=exc)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    @app.get("/health")
+    async def health():
+        try:
+            state.info()
+        except APIError as exc:
+            return JSONResponse({"status": "unavailable", "reason": exc.message}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.in_flight.set(state.admission.in_flight)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(request.headers.get("authorization"), settings.api_key)
+        info = state.info()
+        return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0,
+                                            "owned_by": "nextn_graph",
+                                            "max_model_len": info.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(state, request, chat=True)
+
+    return app
+
+
+async def _generate(state: ServerState, request: Request, chat: bool):
+    settings = state.settings
+    check_api_key(request.headers.get("authorization"), settings.api_key)
+    info = state.info()
+    raw = await read_body(request, settings.max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # (nesting deeper than the parser goes)
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    req = parse_request(body, info, chat)
+    state.admission.enter()
+    sess = Session(req, state.worker, state.metrics, info.tokenizer, state.admission.leave,
+                   request.is_disconnected)
+    shaper = Shaper(req, info.name)
+    sess.submit()
+    if req.stream:
+        try:
+            await sess.first_event()
+        except BaseException:
+            sess.close()
+            raise
+        sess.stop_polling()  # streaming: a client that leaves cancels the body's task
+        return _Streamed(_events(sess, shaper), sess.close)
+    try:
+        pieces = [p async for p in sess.pieces()]
+        return shaper.whole(sess.text.text, sess.tokens, pieces[-1].finish_reason, sess.usage)
+    finally:
+        sess.close()
+
+
+async def _events(sess: Session, shaper: Shaper):
+    """Server-sent events: a chunk per committed piece, usage in the last, [DONE]; an
+    engine failure mid-stream is an ``error`` event (what OpenAI's clients raise on)."""
+    try:
+        if shaper.chat:
+            yield shaper.role_chunk()
+        async for piece in sess.pieces():
+            yield shaper.chunk(piece, sess.usage if piece.finish_reason else None)
+        if sess.req.include_usage:
+            yield shaper.usage_chunk(sess.usage)
+        yield DONE
+    except APIError as exc:
+        yield sse(exc.body())
+    finally:
+        sess.close()

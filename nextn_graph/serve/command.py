@@ -1,0 +1,103 @@
+"""``nextn-graph serve``: the OpenAI-compatible server on uvicorn, loopback by default.
+
+The server listens at once and builds the engine on its own thread (``/health`` is 503
+until the graphs are captured). SIGTERM (or Ctrl-C) stops admitting requests, lets the
+ones in flight finish within ``--shutdown-grace`` seconds, fails the rest explicitly,
+and exits 0 (Ctrl-C: 130, as every command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import uvicorn
+
+from ..checkpoint import load_checkpoint
+from ..config import RunConfig, load_run_config
+from ..errors import NextnGraphError
+from ..loader import resolve_checkpoint
+from ..runtime.engine import SpecEngine
+from ..tokenizer import load_tokenizer
+from .app import create_app
+from .chat import load_chat_template
+from .cli_options import API_KEY_ENV
+from .limits import ServeSettings
+from .protocol import ModelInfo
+
+
+def serve_config(args: argparse.Namespace) -> RunConfig:
+    pool = {"max_requests": args.max_requests, "max_context": args.max_context}
+    return load_run_config(args.config, checkpoint=args.checkpoint, pool=pool,
+                           scheduler={"prefill_token_budget": args.prefill_token_budget})
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(args.host, args.port, args.api_key or os.environ.get(API_KEY_ENV),
+                         args.max_body_bytes, max(args.max_waiting, 0),
+                         shutdown_grace_s=max(args.shutdown_grace, 0.0),
+                         model_name=args.model_name)
+
+
+def engine_builder(cfg: RunConfig, name: str | None, plain: bool = False):
+    """What the engine thread runs: load, build and capture -> (engine, ModelInfo).
+    ``plain``: decode without the draft (``speculative`` None), for comparisons."""
+    def build() -> tuple[SpecEngine, ModelInfo]:
+        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights)
+        engine = SpecEngine(models.target, models.draft, None if plain else cfg.speculative,
+                            cfg.pool, cfg.graph, scheduler=cfg.scheduler)
+        root = resolve_checkpoint(cfg.checkpoint)
+        mc = engine.cfg
+        info = ModelInfo(name or root.name, mc.vocab_size, mc.eos_token_id,
+                         min(cfg.pool.max_context, mc.max_position_embeddings),
+                         engine.lookahead, engine.samples,
+                         load_tokenizer(root, mc.vocab_size), load_chat_template(root))
+        return engine, info
+    return build
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when a signal starts the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def make_server(cfg: RunConfig, settings: ServeSettings, log_level: str = "info",
+                plain: bool = False) -> uvicorn.Server:
+    """The server, not yet running; an engine that fails to build stops it."""
+    holder: list[uvicorn.Server] = []
+
+    def stop() -> None:  # (uvicorn's documented way to stop a server from code)
+        holder[0].should_exit = True
+
+    app = create_app(settings, engine_builder(cfg, settings.model_name, plain),
+                     cfg.pool.max_requests, on_failed=stop)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
+                            log_level=log_level,
+                            # a backstop: the engine thread ends every request by the grace
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10)
+    holder.append(_Server(config, app.state.serve.begin_drain))
+    return holder[0]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    cfg = serve_config(args)  # a bad config is refused before anything starts
+    server = make_server(cfg, serve_settings(args), args.log_level)
+    # uvicorn re-raises the signal it caught once it has shut down; the handler it
+    # restores then is this one, so a SIGTERM ends the command with status 0
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    failed = server.config.app.state.serve.worker.failed
+    if failed:  # e.g. a missing or corrupt checkpoint: one line, status 2
+        raise NextnGraphError(f"serve: the engine failed to start: {failed}")
+    return 0

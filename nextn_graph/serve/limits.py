@@ -1,0 +1,72 @@
+"""What a request must pass before it costs anything: the API key, the body size, and
+room in the server (rows in the pool plus a bounded waiting queue)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import APIError
+
+if TYPE_CHECKING:  # the command line reads the defaults without the web libraries
+    from starlette.requests import Request
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 1 << 20  # a request body larger than this is a 413
+    max_waiting: int = 64  # requests queued beyond the pool's rows; more is a 429
+    retry_after_s: int = 1  # the 429's Retry-After
+    shutdown_grace_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
+    model_name: str | None = None  # the model id served (default: the checkpoint's name)
+
+
+def check_api_key(header: str | None, key: str | None) -> None:
+    """``Authorization: Bearer KEY``, compared in constant time; 401 otherwise."""
+    if key is None:
+        return
+    given = (header or "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                       code="invalid_api_key")
+
+
+async def read_body(request: "Request", limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes (a declared
+    Content-Length is checked before reading; a chunked body is counted as it comes)."""
+    declared = request.headers.get("content-length")
+    too_big = APIError(413, f"the request body exceeds {limit} bytes",
+                       code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+class Admission:
+    """Requests in flight on the server (asyncio side only, so no lock): at most the
+    pool's rows plus ``max_waiting``; past that a 429 with ``Retry-After``."""
+
+    def __init__(self, rows: int, max_waiting: int, retry_after_s: int):
+        self.capacity = rows + max_waiting
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        if self.in_flight >= self.capacity:
+            raise APIError(429, f"the server is full ({self.in_flight} requests in flight); "
+                                f"retry later", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after_s)})
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1

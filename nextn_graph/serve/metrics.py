@@ -1,0 +1,125 @@
+"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (no global state:
+two servers in one process keep their own counts).
+
+Three sources: the request handlers (what each client saw: latencies, tokens, outcomes),
+the engine thread (per step: draft acceptance per position, rounds per graph kind and
+bucket, queue depth), and the engine's own counters, read at scrape time
+(``engine.stats``: faults; ``engine.runner.counters``: replays, eager fallbacks).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from collections import Counter as Tally
+
+from ..runtime.engine import SpecEngine
+from ..runtime.request import StepOutput
+
+P = "nextn_serve_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# engine.stats fields exported as counters (the rest are derived or describe the run)
+ENGINE_STATS = ("rounds", "request_rounds", "prefill_forwards", "verify_forwards",
+                "proposed_drafts", "accepted_drafts", "emitted_tokens", "prompt_tokens",
+                "faults", "failed_requests")
+
+
+class _EngineCollector(Collector):
+    """The engine's counters at scrape time (plain ints, read across threads)."""
+
+    def __init__(self) -> None:
+        self.engine: SpecEngine | None = None
+
+    def collect(self):
+        if self.engine is None:
+            return
+        for name in ENGINE_STATS:
+            yield CounterMetricFamily(f"nextn_engine_{name}", f"engine.stats.{name}",
+                                      value=getattr(self.engine.stats, name))
+        counters = self.engine.runner.counters
+        for name in ("graph_replays", "eager_fallbacks", "padded_rows", "bucket_splits",
+                     "overlapped_rounds", "sampled_rounds"):
+            yield CounterMetricFamily(f"nextn_engine_{name}", f"runner.counters.{name}",
+                                      value=getattr(counters, name))
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ready = Gauge(P + "ready", "1 once the engine's graphs are captured", registry=r)
+        self.requests = Counter(P + "requests", "requests ended, by finish reason "
+                                "(stop, length, error, cancelled)", ["reason"], registry=r)
+        self.rejected = Counter(P + "rejected", "requests refused before the engine, by "
+                                "HTTP status", ["status"], registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens of requests ended",
+                                     registry=r)
+        self.completion_tokens = Counter(P + "completion_tokens", "completion tokens of "
+                                         "requests ended (as in each response's usage), "
+                                         "by finish reason", ["reason"], registry=r)
+        self.ttft = Histogram(P + "ttft_seconds", "arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "itl_seconds", "gap between successive token deliveries "
+                             "of a request (a round may deliver several)",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "request_seconds", "arrival to the end of a request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.accept_len = Histogram(P + "acceptance_length", "tokens committed per request "
+                                    "round, bonus included", buckets=tuple(range(1, 34)),
+                                    registry=r)
+        self.proposed = Counter(P + "draft_proposed", "draft tokens proposed, by position",
+                                ["position"], registry=r)
+        self.accepted = Counter(P + "draft_accepted", "draft tokens accepted, by position",
+                                ["position"], registry=r)
+        self.accept_rate = Gauge(P + "draft_acceptance_rate", "accepted / proposed draft "
+                                 "tokens, by position, since start", ["position"], registry=r)
+        self.rounds = Counter(P + "rounds", "round chunks run, by graph kind, bucket and "
+                              "whether it replayed a graph or ran eagerly",
+                              ["kind", "bucket", "mode"], registry=r)
+        self.queue_depth = Gauge(P + "queue_depth", "requests waiting: in the engine's "
+                                 "queue or on their way to it", registry=r)
+        self.running = Gauge(P + "running_requests", "requests holding a pool row",
+                             registry=r)
+        self.in_flight = Gauge(P + "in_flight_requests", "requests admitted by the server "
+                               "and not yet answered", registry=r)
+        self._per_position: dict[int, list[int]] = {}  # the rate gauges' counts
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+
+    def bind_engine(self, engine: SpecEngine) -> None:
+        self._engine.engine = engine
+        self.ready.set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- the engine thread ---------------------------------------------------------------
+    @staticmethod
+    def before_step(engine: SpecEngine) -> Tally:
+        return Tally(engine.runner.phase_runs)
+
+    def after_step(self, engine: SpecEngine, before: Tally, outs: list[StepOutput],
+                   pending: int, live: int) -> None:
+        for (kind, bucket, mode), n in (engine.runner.phase_runs - before).items():
+            self.rounds.labels(kind, str(bucket), mode).inc(n)
+        for out in outs:
+            if out.accepted is not None and out.draft_tokens:  # plain rounds propose none
+                self._count_acceptance(out)
+        self.queue_depth.set(engine.num_waiting + pending)
+        self.running.set(max(live - engine.num_waiting, 0))
+
+    def _count_acceptance(self, out: StepOutput) -> None:
+        """The round's accept length as the engine read it back (before stop and length
+        cuts): draft position i (1-based) was accepted when i <= ``out.accepted``."""
+        self.accept_len.observe(out.accepted + 1)
+        for pos in range(len(out.draft_tokens)):
+            label = str(pos + 1)
+            self.proposed.labels(label).inc()
+            if pos < out.accepted:
+                self.accepted.labels(label).inc()
+            counts = self._per_position.setdefault(pos, [0, 0])  # [proposed, accepted]
+            counts[0] += 1
+            counts[1] += int(pos < out.accepted)
+            self.accept_rate.labels(label).set(counts[1] / counts[0])
+

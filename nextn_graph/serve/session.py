@@ -1,0 +1,150 @@
+"""One request's life on the asyncio side: its job on the engine thread, the text of
+its output as it arrives (stop strings found there), its timings, and its end.
+
+``Session.pieces()`` yields ``Piece``s as the engine commits tokens and ends with a
+finish reason; a ``Failure`` from the engine thread becomes an ``APIError``. ``close()``
+always runs (the handler's ``finally``): a request that has not ended by then lost its
+client, so its engine request is aborted and its row freed at the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from ..tokenizer import CheckpointTokenizer
+from .errors import APIError
+from .metrics import ServeMetrics
+from .protocol import GenRequest
+from .worker import EngineWorker, Failure, Job
+
+DISCONNECT_POLL_S = 0.25  # a non-streamed request checks its client this often
+
+
+class TextStream:
+    """Detokenizes an output as it grows; text that might still become a stop string
+    (or an incomplete UTF-8 character) is held back until it cannot."""
+
+    def __init__(self, tokenizer: CheckpointTokenizer | None, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text given out
+        self.text = ""  # everything given out
+        self.stopped = False  # a stop string matched: the text ends before it
+
+    def push(self, tokens: list[int], final: bool) -> str:
+        """The new text that is safe to send."""
+        self.ids.extend(tokens)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        # (an earlier match would have been found: hold covers any stop's length - 1)
+        found = [i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            return self._give(text, min(found))
+        safe = len(text) if final else len(text) - self.hold
+        while not final and safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1  # maybe the first bytes of a character still coming
+        return self._give(text, max(safe, self.sent))
+
+    def _give(self, text: str, end: int) -> str:
+        delta = text[self.sent:end]
+        self.sent, self.text = end, self.text + delta
+        return delta
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # stop | length, on the last piece
+
+
+class Session:
+    def __init__(self, req: GenRequest, worker: EngineWorker, metrics: ServeMetrics,
+                 tokenizer: CheckpointTokenizer | None, on_close: Callable[[], None],
+                 disconnected: Callable | None = None):
+        self.req, self.worker, self.metrics = req, worker, metrics
+        self.job = Job(req, asyncio.get_running_loop())
+        self.text = TextStream(tokenizer, req.stop)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None  # stop | length | error, once ended
+        self._on_close, self._disconnected = on_close, disconnected
+        self._closed = False
+        self._first = None  # the first event, once ``first_event`` has waited for it
+        self.start = self._last = time.perf_counter()
+
+    def submit(self) -> None:
+        self.worker.submit(self.job)
+
+    @property
+    def usage(self) -> dict:
+        n, m = len(self.req.prompt), len(self.tokens)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    def stop_polling(self) -> None:
+        self._disconnected = None
+
+    async def first_event(self) -> None:
+        """Wait for the request's first event (its first tokens, or its refusal) before
+        a stream's headers go out, so a refusal keeps its HTTP status (400, 503)."""
+        event = self._first = await self._next()
+        if isinstance(event, Failure):
+            self.finish_reason = "error"
+            raise APIError(event.status, event.message)
+
+    async def _next(self):
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        if self._disconnected is None:
+            return await self.job.events.get()
+        while True:  # a non-streamed request: notice a client that went away
+            try:
+                return await asyncio.wait_for(self.job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await self._disconnected():  # (close() aborts the engine request)
+                    raise APIError(499, "the client disconnected", code="client_closed")
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        while self.finish_reason is None:
+            event = await self._next()
+            if isinstance(event, Failure):
+                self.finish_reason = "error"
+                raise APIError(event.status, event.message,
+                               code="engine_fault" if event.status == 500 else None)
+            now = time.perf_counter()
+            (self.metrics.itl if self.tokens else self.metrics.ttft).observe(
+                now - (self._last if self.tokens else self.start))
+            self._last = now
+            toks = list(event.new_tokens)
+            self.tokens.extend(toks)
+            delta = self.text.push(toks, final=event.finished)
+            if self.text.stopped:
+                self.finish_reason = "stop"
+                if not event.finished:  # the engine would go on: free the row now
+                    self.worker.abort(self.job)
+            elif event.finished:
+                hit = bool(toks) and toks[-1] in self.req.stop_ids
+                self.finish_reason = "stop" if hit else "length"
+            yield Piece(delta, toks, self.finish_reason)
+
+    def close(self) -> None:
+        """Idempotent; runs when the handler ends, however it ends."""
+        if self._closed:
+            return
+        self._closed = True
+        reason = self.finish_reason
+        if reason is None:  # the client went away mid-request
+            self.worker.abort(self.job)
+            reason = "cancelled"
+        m = self.metrics
+        m.requests.labels(reason).inc()
+        m.prompt_tokens.inc(len(self.req.prompt))
+        m.completion_tokens.labels(reason).inc(len(self.tokens))
+        m.e2e.observe(time.perf_counter() - self.start)
+        self._on_close()

@@ -1,0 +1,43 @@
+"""Helpers of the server tests: a checkpoint copy with a chat template, the server's
+metrics read back, a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nextn_graph.loader import resolve_checkpoint
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def chat_checkpoint(tmp: Path) -> Path:
+    """builtin:tiny-trained copied, with a chat template in tokenizer_config.json."""
+    root = tmp / "tiny-chat"
+    shutil.copytree(resolve_checkpoint("builtin:tiny-trained"), root)
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return root
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics -> {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

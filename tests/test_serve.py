@@ -1,0 +1,282 @@
+"""The OpenAI-compatible server, driven with the official ``openai`` client over
+loopback: streamed and whole completions against the plain-decoding oracle, seeded
+sampling, stop strings, chat, disconnects, every refusal path, and /metrics against
+what the client saw. One server (captured once) serves the module."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from nextn_graph.checkpoint import load_checkpoint
+from nextn_graph.config import load_run_config
+from nextn_graph.generate import plain_generate
+from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.thread import ServerThread
+from nextn_graph.tokenizer import load_tokenizer
+
+from serve_support import chat_checkpoint, metric, scrape
+
+KEY = "test-key-1234"
+ROWS = 4
+MAX_CONTEXT = 256
+BODY_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = chat_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    cfg = load_run_config(None, checkpoint=str(root),
+                          pool={"max_requests": ROWS, "max_context": MAX_CONTEXT})
+    settings = ServeSettings(port=0, api_key=KEY, max_body_bytes=BODY_LIMIT, max_waiting=0)
+    with ServerThread(cfg, settings) as srv:
+        srv.root = root
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oracle(server):
+    """Plain greedy decoding of the served checkpoint (no server, no graphs)."""
+    models = load_checkpoint(server.root)
+    return lambda prompts, n: plain_generate(models.target, prompts, n,
+                                             max_context=MAX_CONTEXT).outputs
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _idle(server, timeout_s: float = 10.0) -> None:
+    """Wait until every pool row is free and the engine has no work."""
+    engine = server.state.worker.engine
+    deadline = time.monotonic() + timeout_s
+    while engine.has_work or engine.models.target_pool.free_rows != ROWS:
+        assert time.monotonic() < deadline, "rows not freed"
+        time.sleep(0.02)
+
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]  # "Hello, my"
+
+
+def test_health_and_models(server, client):
+    assert server.health() == 200
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+
+
+def test_streamed_greedy_equals_oracle(server, client, oracle):
+    want = oracle([PROMPT], 40)[0]
+    chunks = list(client.completions.create(
+        model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+    tokens = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert tokens == want
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] in ("length", "stop") and not any(finals[:-1])
+    assert chunks[-1].usage.completion_tokens == len(want)
+    assert chunks[-1].usage.prompt_tokens == len(PROMPT)
+    tok = load_tokenizer(server.root, 256)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(want)
+    whole = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40,
+                                      temperature=0, extra_body={"return_token_ids": True})
+    assert whole.choices[0].token_ids == want and whole.usage.total_tokens == 9 + len(want)
+
+
+def test_text_prompt_matches_token_prompt(client):
+    a = client.completions.create(model="tiny-chat", prompt="Hello, my", max_tokens=12,
+                                  temperature=0)
+    b = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=12,
+                                  temperature=0)
+    assert a.choices[0].text == b.choices[0].text and a.usage == b.usage
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def run(seed):
+        return client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=24,
+                                         temperature=0.9, top_p=0.95, seed=seed,
+                                         extra_body={"top_k": 50, "return_token_ids": True})
+    first, again = run(11), run(11)
+    assert first.choices[0].token_ids == again.choices[0].token_ids
+    assert len(first.choices[0].token_ids) == first.usage.completion_tokens
+
+
+def test_stop_string_cuts_text(client):
+    full = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=30,
+                                     temperature=0).choices[0].text
+    stop = full[5:7]
+    assert len(stop) == 2 and "\ufffd" not in stop, full
+    for stream in (False, True):
+        got = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=30,
+                                        temperature=0, stop=[stop], stream=stream)
+        if stream:
+            parts = [c for c in got if c.choices]
+            text = "".join(c.choices[0].text for c in parts)
+            reason = parts[-1].choices[0].finish_reason
+        else:
+            text, reason = got.choices[0].text, got.choices[0].finish_reason
+        assert text == full[:full.index(stop)] and reason == "stop"
+
+
+def test_chat_with_template(client, oracle):
+    msgs = [{"role": "user", "content": "Hi"}]
+    prompt = list(b"user: Hi\nassistant:")
+    want = load_tokenizer_text(oracle(prompt and [prompt], 16)[0])
+    whole = client.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=16,
+                                           temperature=0)
+    assert whole.choices[0].message.content == want
+    assert whole.usage.prompt_tokens == len(prompt)
+    streamed = list(client.chat.completions.create(model="tiny-chat", messages=msgs,
+                                                   max_tokens=16, temperature=0, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
+
+
+def load_tokenizer_text(ids):
+    from nextn_graph.tokenizer import byte_level_tokenizer
+    return byte_level_tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def test_client_disconnect_frees_row(server, client):
+    before = scrape(server.url)
+    with client.completions.with_streaming_response.create(
+            model="tiny-chat", prompt=PROMPT, max_tokens=200, temperature=0,
+            stream=True) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # the client closed the connection after one chunk: the request is aborted
+    _idle(server)
+    after = scrape(server.url)
+    cancelled = metric(after, "nextn_serve_requests_total", reason="cancelled") - metric(
+        before, "nextn_serve_requests_total", reason="cancelled")
+    assert cancelled == 1
+    assert metric(after, "nextn_serve_running_requests") == 0
+    assert server.state.admission.in_flight == 0
+
+
+def test_refusals_are_openai_errors(server, client):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=10_000)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-chat", prompt=[5, 999], max_tokens=4)
+    assert err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-chat", prompt=PROMPT * 40, max_tokens=4)
+    assert err.value.body["param"] == "prompt"  # longer than the context
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-chat", prompt=PROMPT, temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="tiny-chat", prompt="x" * BODY_LIMIT)
+    assert err.value.status_code == 413 and err.value.body["type"] == "invalid_request_error"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/completions", b"{not json"), ("/v1/nothing", b"{}")):
+        r = httpx.post(server.url + path, content=body, headers=headers)
+        assert r.status_code in (400, 404) and set(r.json()["error"]) == {
+            "message", "type", "param", "code"}
+
+
+def test_queue_full_is_429(server, client):
+    """max_waiting 0: ROWS requests in flight fill the server; one more is refused.
+    (Once its response headers came back a request is in flight, and these need 60+
+    rounds each, so the refusal comes while they run, however loaded the machine.)"""
+    streams = [client.completions.with_streaming_response.create(
+        model="tiny-chat", prompt=PROMPT, max_tokens=240, temperature=0, stream=True)
+        for _ in range(ROWS)]
+    opened = [s.__enter__() for s in streams]
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=4)
+        assert err.value.response.headers["retry-after"] == "1"
+        for resp in opened:  # the admitted ones run
+            assert next(line for line in resp.iter_lines() if line.startswith("data:"))
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+    _idle(server)
+
+
+def test_metrics_match_what_clients_saw(server, client):
+    before = scrape(server.url)
+    seen = [client.completions.create(model="tiny-chat", prompt=PROMPT[:n], max_tokens=n * 3,
+                                      temperature=0) for n in (3, 5, 7)]
+    after = scrape(server.url)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    reasons = [r.choices[0].finish_reason for r in seen]
+    for reason in ("stop", "length"):
+        assert delta("nextn_serve_requests_total", reason=reason) == reasons.count(reason)
+        assert delta("nextn_serve_completion_tokens_total", reason=reason) == sum(
+            r.usage.completion_tokens for r in seen if r.choices[0].finish_reason == reason)
+    assert delta("nextn_serve_prompt_tokens_total") == 15
+    assert delta("nextn_serve_ttft_seconds_count") == 3
+    assert delta("nextn_engine_emitted_tokens_total") == sum(
+        r.usage.completion_tokens for r in seen)
+    assert delta("nextn_engine_faults_total") == 0
+
+    def total(name, **labels):  # over every other label, as a delta
+        return sum(v - before.get((n, ls), 0.0) for (n, ls), v in after.items()
+                   if n == name and set(labels.items()) <= set(ls))
+
+    # Per position: exactly the engine's own draft counts, position 1 at least as often
+    # accepted as position 2 (a chain), every position proposed once per request round.
+    proposed = [delta("nextn_serve_draft_proposed_total", position=str(p)) for p in (1, 2, 3)]
+    accepted = [delta("nextn_serve_draft_accepted_total", position=str(p)) for p in (1, 2, 3)]
+    assert sum(proposed) == delta("nextn_engine_proposed_drafts_total") > 0
+    assert sum(accepted) == delta("nextn_engine_accepted_drafts_total")
+    assert proposed[0] == proposed[2] == delta("nextn_engine_request_rounds_total")
+    assert accepted[0] >= accepted[1] >= accepted[2]
+    # Phases by graph kind and bucket: the replays are the engine's graph replays.
+    assert total("nextn_serve_rounds_total", mode="graph") == delta(
+        "nextn_engine_graph_replays_total") > 0
+    assert total("nextn_serve_rounds_total", mode="eager") == delta(
+        "nextn_engine_eager_fallbacks_total")
+    assert 0 <= metric(after, "nextn_serve_draft_acceptance_rate", position="1") <= 1
+
+
+def test_engine_fault_fails_only_its_request(server, client, oracle):
+    """A fault in a prefill (raised from a forward pre-hook, once) fails the request being
+    admitted with a 500 in OpenAI's shape; the request already running is untouched."""
+    want = oracle([PROMPT], 120)[0]
+    engine = server.state.worker.engine
+    fired = []
+
+    def fault(module, args):
+        if not fired:
+            fired.append(True)
+            raise RuntimeError("injected prefill fault")
+
+    before = scrape(server.url)
+    with client.completions.with_streaming_response.create(
+            model="tiny-chat", prompt=PROMPT, max_tokens=120, temperature=0, stream=True,
+            extra_body={"return_token_ids": True}) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        hook = engine.models.target.register_forward_pre_hook(fault)  # rounds replay graphs
+        try:
+            with pytest.raises(openai.InternalServerError) as err:
+                client.completions.create(model="tiny-chat", prompt=PROMPT[:4], max_tokens=8,
+                                          stream=True)
+        finally:
+            hook.remove()
+        assert "injected prefill fault" in err.value.body["message"]
+        assert err.value.body["type"] == "server_error"
+        events = [json.loads(line[6:]) for line in [first, *lines]
+                  if line.startswith("data:") and line != "data: [DONE]"]
+    tokens = [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
+    assert tokens == want
+    after = scrape(server.url)
+    assert metric(after, "nextn_engine_faults_total") - metric(
+        before, "nextn_engine_faults_total") == 1
+    assert metric(after, "nextn_serve_requests_total", reason="error") - metric(
+        before, "nextn_serve_requests_total", reason="error") == 1
+    _idle(server)

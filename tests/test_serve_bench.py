@@ -1,0 +1,47 @@
+"""``bench-serve`` on a small load: both modes serve the same greedy jobs over loopback,
+agree token for token, and the JSON, Markdown table and plot are written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nextn_graph.cli import main
+from nextn_graph.config import load_run_config
+from nextn_graph.serve.bench import Load
+from nextn_graph.serve.bench_command import make_jobs, run_bench_serve
+
+
+def test_bench_serve_small_load(tmp_path):
+    cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 256},
+                          graph={"sampling": False})
+    jobs = make_jobs(256, 6, seed=3)
+    loads = [Load("concurrency", 2, 6, 60.0), Load("rate", 50.0, 4, 60.0)]
+    report = run_bench_serve(cfg, loads, jobs, tmp_path)
+    rows = report["rows"]
+    assert [(r["mode"], r["load"]) for r in rows] == [
+        ("spec", "c=2"), ("plain", "c=2"), ("spec", "50 req/s"), ("plain", "50 req/s")]
+    for r in rows:
+        assert r["failed"] == 0 and r["ok"] == r["sent"]
+        assert r["same_tokens_as_other_mode"] == f"{r['sent']}/{r['sent']}"
+        assert r["output_tokens"] > 0 and r["ttft_p50_ms"] > 0
+    spec = rows[0]
+    assert 1 <= spec["acceptance_length"] <= 4 and len(spec["acceptance_per_position"]) == 3
+    assert rows[1]["acceptance_length"] is None  # plain decoding drafts nothing
+    assert json.loads((tmp_path / "serve_bench.json").read_text())["rows"] == rows
+    assert "| c=2 | spec | 6/6 |" in (tmp_path / "serve_bench.md").read_text()
+    assert (tmp_path / "serve_bench.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["bench-serve", "--concurrency", "0"],
+                                  ["bench-serve", "--rates", "fast"]])
+def test_bench_serve_refuses_bad_levels(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "expected" in capsys.readouterr().err
+
+
+def test_bench_serve_bounds_requests(capsys):
+    assert main(["bench-serve", "--requests", "5000"]) == 2
+    assert "bounded" in capsys.readouterr().err

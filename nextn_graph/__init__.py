@@ -17,7 +17,7 @@ from .config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, Specul
 from .errors import (CapacityError, CaptureError, CheckpointError, ConfigError, InputError,
                      NextnGraphError, ParallelError, RequestFailed)
 from .runtime.engine import SpecEngine, StepOutput
-from .runtime.sampling import SamplingParams
+from .sampling import SamplingParams
 
 __all__ = [
     "SpecEngine", "StepOutput", "SamplingParams", "RunConfig", "SpeculativeConfig", "PoolConfig", "GraphConfig",

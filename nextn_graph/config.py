@@ -54,8 +54,6 @@ GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in rou
 # (fused: the phases, acceptance and the commit of the next state; a steady batch also
 # needs no staging). auto: fused where every phase is captured, else split.
 ROUND_MODES = ("auto", "split", "fused")
-FUSED_KIND = "round"  # the kind (graph name) of the fused round
-SAMPLING_SUFFIX = "+sampling"  # a kind's sampling variant (graph name KIND+sampling)
 OVERLAP_MODES = ("auto", "on", "off")
 # What torch.compile hands each graph to, for graph backends compile and torchair (others
 # ignore it). compile: inductor | aot_eager anywhere, reduce-overhead (inductor in CUDA graphs)
@@ -64,6 +62,31 @@ COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "reduce-overhead", "npugrap
 _COMPILE_ON = {"cpu": ("inductor", "aot_eager"),
                "cuda": ("inductor", "aot_eager", "reduce-overhead"),
                "npu": ("auto", "npugraph_ex", "reduce-overhead")}
+
+
+@dataclass(frozen=True)
+class GraphKind:
+    """What one graph runs: ``unit``, a phase of the round (``GRAPH_KINDS``) or the whole
+    fused round (``round``), greedy or, ``sampled``, drawing each request's tokens with
+    its sampling parameters. ``name`` is what records, counters, metrics and reports
+    call it: ``target_verify``, ``round+sampling``."""
+
+    unit: str
+    sampled: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.unit}+sampling" if self.sampled else self.unit
+
+    def variant(self, sampled: bool) -> "GraphKind":
+        return GraphKind(self.unit, sampled)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+PHASES = tuple(GraphKind(k) for k in GRAPH_KINDS)  # a round's phases, in order
+FUSED_ROUND = GraphKind("round")  # the fused round: every phase as one graph
 
 
 @dataclass(frozen=True)
@@ -96,7 +119,7 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    # Tensor-parallel ranks (heads, vocab and experts split, see parallel/sharding.py).
+    # Tensor-parallel ranks (heads, vocab and experts split, see checkpoint/sharding.py).
     # Under torchrun it must equal the world size; otherwise `--tp N`/this key spawns them.
     tp: int = 1
     # Bound on every collective and control message: a dead or hung rank ends the

@@ -35,7 +35,7 @@ from nextn_graph.checkpoint import random_models  # noqa: E402
 from nextn_graph.config import (GraphConfig, PoolConfig, SchedulerConfig,  # noqa: E402
                                 SpeculativeConfig)
 from nextn_graph.model.config import config_from_dict  # noqa: E402
-from nextn_graph.presets import TINY  # noqa: E402
+from nextn_graph.checkpoint.presets import TINY  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
 
 STREAMS = 2  # running requests decoding all along

@@ -62,7 +62,7 @@ def run(name: str, cmd: list[str], timeout: int) -> dict:
 
 def bench(name: str, config: str, out: Path, timeout: int, *extra: str) -> dict:
     json_path = out / f"{name}.json"
-    step = run(name, [sys.executable, "-m", "nextn_graph.cli", "bench", "--config", config,
+    step = run(name, [sys.executable, "-m", "nextn_graph", "bench", "--config", config,
                       "--out", str(out / name), "--json", str(json_path), "--quiet", *extra],
                timeout)
     if step["rc"] == 0 and json_path.is_file():
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = out / "flash-slice"
         if not (ckpt / "config.json").is_file():
             steps["flash_checkpoint"] = run("flash_checkpoint", [
-                sys.executable, "-m", "nextn_graph.cli", "make-checkpoint", "--preset",
+                sys.executable, "-m", "nextn_graph", "make-checkpoint", "--preset",
                 "flash-slice", "--out", str(ckpt), "--shard-bytes", "2000000000"], 1800)
         config = ("capture_configs/flash_slice_cuda.yaml" if cuda
                   else "capture_configs/flash_slice_cpu.yaml")

@@ -34,8 +34,8 @@ def child(checkpoint: str, weights: str, dtype: str) -> dict:
     import torch
 
     from nextn_graph.checkpoint import load_checkpoint
-    from nextn_graph.loader import weight_bytes
-    from nextn_graph.weights import scan
+    from nextn_graph.checkpoint.loader import weight_bytes
+    from nextn_graph.checkpoint.weights import scan
 
     infos = scan(Path(checkpoint))
     base = _rss_mib()

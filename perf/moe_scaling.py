@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from nextn_graph.checkpoint import random_models, save_checkpoint  # noqa: E402
 from nextn_graph.config import PoolConfig, SpeculativeConfig  # noqa: E402
-from nextn_graph.loader import load_checkpoint  # noqa: E402
+from nextn_graph.checkpoint.loader import load_checkpoint  # noqa: E402
 from nextn_graph.model import config_from_dict  # noqa: E402
-from nextn_graph.presets import TINY  # noqa: E402
+from nextn_graph.checkpoint.presets import TINY  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
 
 MID = {**TINY, "vocab_size": 4096, "hidden_size": 1024, "num_attention_heads": 8,

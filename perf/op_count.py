@@ -24,7 +24,7 @@ from nextn_graph.checkpoint import random_models  # noqa: E402
 from nextn_graph.profile.counting import OpCounter  # noqa: E402
 from nextn_graph.memory.batch import Chunk, ForwardBatch  # noqa: E402
 from nextn_graph.memory.pool import PoolLayout  # noqa: E402
-from nextn_graph.presets import preset_config  # noqa: E402
+from nextn_graph.checkpoint.presets import preset_config  # noqa: E402
 
 
 def count(fn) -> dict:

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from nextn_graph.checkpoint import load_checkpoint  # noqa: E402
 from nextn_graph.config import SpeculativeConfig, load_run_config  # noqa: E402
-from nextn_graph.generate import plain_generate  # noqa: E402
+from nextn_graph.runtime.generate import plain_generate  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
-from nextn_graph.corpus import corpus  # noqa: E402
+from nextn_graph.checkpoint.corpus import corpus  # noqa: E402
 
 
 def _decode_rate(tokens: int, requests: int, seconds: float) -> float:

@@ -35,13 +35,13 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from nextn_graph.checkpoint import load_checkpoint, random_models  # noqa: E402
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig  # noqa: E402
-from nextn_graph.generate import plain_generate, reference_generate  # noqa: E402
-from nextn_graph.presets import preset_config  # noqa: E402
+from nextn_graph.runtime.generate import plain_generate, reference_generate  # noqa: E402
+from nextn_graph.checkpoint.presets import preset_config  # noqa: E402
 from nextn_graph.runtime.engine import SpecEngine  # noqa: E402
 from nextn_graph.runtime.tolerance import (BF16_TOLERANCE, divergence_regret,  # noqa: E402
                                            first_divergence, reference_logits, top2_margins,
                                            within_tolerance)
-from nextn_graph.corpus import corpus  # noqa: E402
+from nextn_graph.checkpoint.corpus import corpus  # noqa: E402
 
 POOL = PoolConfig(5, 320)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

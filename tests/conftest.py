@@ -15,7 +15,7 @@ import torch
 from nextn_graph.checkpoint import load_checkpoint, random_models
 from nextn_graph.model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
 from nextn_graph.memory.pool import KVPool, PoolLayout
-from nextn_graph.presets import preset_config
+from nextn_graph.checkpoint.presets import preset_config
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nextn_graph.graph.updates import UpdateRegistry
-from nextn_graph.corpus import corpus
+from nextn_graph.checkpoint.corpus import corpus
 
 SEQLEN_NS, SEQLEN_OP = "nextn_test", "seqlen_sum"
 

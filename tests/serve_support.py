@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from nextn_graph.loader import resolve_checkpoint
+from nextn_graph.checkpoint.loader import resolve_checkpoint
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -19,7 +19,7 @@ import pytest
 
 import nextn_graph.bench.files as files_mod
 import nextn_graph.bench.run as run_mod
-import nextn_graph.cli as cli
+import nextn_graph.cli.commands as cli
 from nextn_graph.bench import BenchSettings, run_bench
 from nextn_graph.bench.files import _sigint_deferred
 from nextn_graph.bench.report import PLOTS, check_outputs, write_outputs

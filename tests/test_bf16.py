@@ -16,7 +16,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
-from nextn_graph.generate import plain_generate, reference_generate
+from nextn_graph.runtime.generate import plain_generate, reference_generate
 from nextn_graph.graph.emulator import CpuGraph
 from nextn_graph.runtime.engine import SpecEngine
 

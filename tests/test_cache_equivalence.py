@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nextn_graph.memory.batch import Chunk, ForwardBatch
-from nextn_graph.presets import TINY
+from nextn_graph.checkpoint.presets import TINY
 
 ATOL = 1e-4
 N = 4  # verify width: the most rows one forward writes per request

@@ -14,8 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nextn_graph.checkpoint import INDEX_FILE, SINGLE_FILE, load_checkpoint, save_checkpoint
-from nextn_graph.cli import make_checkpoint
+from nextn_graph.checkpoint.loader import load_checkpoint
+from nextn_graph.checkpoint.save import save_checkpoint
+from nextn_graph.checkpoint.weights import INDEX_FILE, SINGLE_FILE
+from nextn_graph.cli.commands import make_checkpoint
 from nextn_graph.errors import CheckpointError, ConfigError, NextnGraphError
 
 

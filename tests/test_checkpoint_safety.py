@@ -16,10 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import nextn_graph.checkpoint as checkpoint
-from nextn_graph.checkpoint import (INDEX_FILE, SINGLE_FILE, expected_state, load_checkpoint,
-                                    save_checkpoint)
-from nextn_graph.cli import make_checkpoint
+import nextn_graph.checkpoint.save as checkpoint
+from nextn_graph.checkpoint.loader import expected_state, load_checkpoint
+from nextn_graph.checkpoint.save import save_checkpoint
+from nextn_graph.checkpoint.weights import INDEX_FILE, SINGLE_FILE
+from nextn_graph.cli.commands import make_checkpoint
 from nextn_graph.errors import CheckpointError
 
 SHARD = 200_000  # bytes: the tiny preset (~1.3 MB) becomes several shards

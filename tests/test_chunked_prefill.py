@@ -21,11 +21,11 @@ import torch
 from nextn_graph.config import (GraphConfig, PoolConfig, SchedulerConfig, SpeculativeConfig,
                                 load_run_config)
 from nextn_graph.errors import ConfigError
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.runtime.engine import SpecEngine
-from nextn_graph.runtime.prefill import budget_chunks
+from nextn_graph.runtime.scheduler import budget_chunks
 from nextn_graph.runtime.request import Request
-from nextn_graph.runtime.sampling import SamplingParams
+from nextn_graph.sampling import SamplingParams
 
 from helpers import corpus_prompts, random_prompt
 from test_faults import Faults, InjectedFault, check, drive, schedule
@@ -307,7 +307,7 @@ def test_scheduler_section_loads_and_reaches_the_engine(tmp_path):
     cfg = load_run_config(write(tmp_path, "scheduler:\n  prefill_token_budget: 256\n"))
     assert cfg.scheduler == SchedulerConfig(256)
     assert load_run_config(write(tmp_path, "")).scheduler == SchedulerConfig(0)
-    assert SpecEngine.from_config(cfg).prefill_budget == 256
+    assert SpecEngine.from_config(cfg).scheduler.prefill_budget == 256
 
 
 @pytest.mark.parametrize("text,match", [
@@ -339,7 +339,7 @@ def test_scheduler_built_in_code_is_checked(tiny, budget, match):
 
 def _tp_run(group, budget: int):
     from nextn_graph.checkpoint import load_checkpoint
-    from nextn_graph.parallel.follower import serve, shutdown
+    from nextn_graph.launch.follower import serve, shutdown
 
     torch.set_num_threads(1)
     models = load_checkpoint("builtin:tiny-trained", tp=group)
@@ -358,7 +358,7 @@ def test_tp2_follows_rank0_chunks():
     """tp = 2 with budget 16 (eager: the graphs' followers are tests/test_tp_engine.py's):
     rank 1 replays rank 0's chunks; tokens equal tp = 1."""
     from nextn_graph.parallel.group import TPGroup
-    from nextn_graph.parallel.launch import spawn
+    from nextn_graph.launch.ranks import spawn
 
     got, control = spawn(_tp_run, 2, (16,), timeout_s=120)[0]
     want, _ = _tp_run(TPGroup.single(), 16)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nextn_graph.cli import build_parser, main, make_checkpoint
+from nextn_graph.cli.commands import build_parser, main, make_checkpoint
 from nextn_graph.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,7 +228,7 @@ def test_demo_plain_equals_reference(ckpt, capsys, restore_threads):
 
 def test_no_arguments_runs_the_bench(monkeypatch):
     """`nextn-graph` with no arguments runs the bench (the main job) with its defaults."""
-    import nextn_graph.cli as cli
+    import nextn_graph.cli.commands as cli
 
     seen = []
     monkeypatch.setattr(cli, "_bench", lambda args, cfg, group: seen.append(args) or 0)

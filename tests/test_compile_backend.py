@@ -20,7 +20,7 @@ from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import (GRAPH_KINDS, GraphConfig, PoolConfig, SpeculativeConfig,
                                 load_run_config)
 from nextn_graph.errors import ConfigError
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.graph.backends import CudaBackend, make_backend
 from nextn_graph.graph.compile import (CompileBackend, Compiler, dynamo_compiler,
                                        held_tensors)
@@ -168,7 +168,7 @@ def test_compile_engine_equals_reference(trained):
     assert st["accepted_drafts"] > 0
     assert all(g.replays > 0 for g in engine.runner.graphs.values())
     assert sum(g.replays for g in engine.runner.graphs.values()) == st["graph_replays"]
-    for t in engine.runner.phases.static_tensors().values():  # request state, round buffers
+    for t in engine.runner.round.static_tensors().values():  # request state, round buffers
         assert torch._dynamo.utils.get_static_address_type(t) == "unguarded"
     kv = engine.models.target_pool.layers[0].swa.data
     assert torch._dynamo.utils.get_static_address_type(kv) == "unguarded"

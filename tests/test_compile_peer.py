@@ -21,7 +21,7 @@ from nextn_graph.cli import main
 from nextn_graph.config import (GraphConfig, PoolConfig, SpeculativeConfig, compile_peer,
                                 load_run_config)
 from nextn_graph.errors import ConfigError
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.graph.backends import make_backend
 from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter
 from nextn_graph.runtime.engine import SpecEngine

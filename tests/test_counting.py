@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity
 
 from nextn_graph.bench.measure import count_round
+from nextn_graph.config import GraphKind
 from nextn_graph.graph.backends import CpuBackend
 from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter, ProfilerCounter
-from nextn_graph.graph.runner import HostTransfers, ReplayCounters, RoundRunner
+from nextn_graph.graph.runner import GraphRunner, HostTransfers, ReplayCounters
 from nextn_graph.runtime.buffers import RequestState, RoundBuffers
 
 from helpers import seqlen_op, seqlen_registry
@@ -136,12 +137,12 @@ class _SeqlenPhases:
     bufs: RoundBuffers
     state: RequestState
     num_steps: int = 1
-    kinds = ("target_verify",)
+    kinds = (GraphKind("target_verify"),)
     sampled_kinds = ()  # no sampling variant
     fused = False
     verify_width = 2
 
-    def run(self, kind: str, b: int) -> None:
+    def run(self, kind: GraphKind, b: int) -> None:
         op = seqlen_op()
         x = self.bufs.slots[:b].unsqueeze(1).float()  # [B, 1]
         y = op(op(x, [1] * b), [1] * b)  # lengths baked at capture; updates replace them
@@ -157,7 +158,7 @@ def test_graph_round_counts_every_submission():
     reg = seqlen_registry()
     phases = _SeqlenPhases(RoundBuffers.allocate(2, 1, 4, "cpu", torch.float32),
                            RequestState.allocate(3, 4, "cpu", torch.float32))
-    runner = RoundRunner(phases, CpuBackend(reg), buckets=(2,), kinds=phases.kinds,
+    runner = GraphRunner(phases, CpuBackend(reg), buckets=(2,), kinds=("target_verify",),
                          updates=reg)
     runner.capture()
     assert len(runner.graphs[("target_verify", 2)].update_ops) == 2

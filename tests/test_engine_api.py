@@ -8,7 +8,7 @@ import torch
 
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import ConfigError, InputError
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.runtime.engine import SpecEngine
 
 from helpers import corpus_prompts
@@ -114,7 +114,7 @@ def test_numpy_and_tensor_max_new_tokens_are_plain_ints(trained):
     eng = engine(trained)
     rids = [eng.add_request([5, 6, 7], n, stop_ids=[])
             for n in (np.int64(4), torch.tensor(4), 4)]
-    assert [type(r.max_new_tokens) for r in eng._waiting] == [int, int, int]
+    assert [type(r.max_new_tokens) for r in eng.scheduler.waiting] == [int, int, int]
     outs = {r: [] for r in rids}
     while eng.has_work:
         for o in eng.step():

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import RequestFailed
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.graph.runner import RoundObserver
 from nextn_graph.runtime.engine import SpecEngine
 
@@ -69,7 +69,7 @@ class Faults(TorchFunctionMode, RoundObserver):
 
     @contextmanager
     def phase(self, kind: str, replayed: bool):
-        if kind == self.eng.runner.phases.kinds[0]:
+        if kind == self.eng.runner.round.kinds[0].name:
             self.chunk += 1
         self.in_round = True
         self._fire(f"{kind}@{self.chunk}")
@@ -221,7 +221,7 @@ def test_random_faults_over_random_schedules(engines, trained, seed):
     eng = engines(rng.choice(["eager", "cpu", "fused"]))
     sched = schedule(100 + seed)
     points = set(rng.sample([p for p in POINTS if "@1" not in p]
-                            if eng.runner.phases.kinds != ("round",) else FUSED_POINTS, 3))
+                            if [k.name for k in eng.runner.round.kinds] != ["round"] else FUSED_POINTS, 3))
     error = rng.choice([InjectedFault, KeyboardInterrupt, MemoryError])
     faults = Faults(eng, points, error)
     try:

@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nextn_graph.checkpoint import LoadedModel, build_models, expected_state
+from nextn_graph.checkpoint.loader import LoadedModel, build_models, expected_state
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.model.config import model_bytes
-from nextn_graph.presets import iter_random, preset_config
+from nextn_graph.checkpoint.presets import iter_random, preset_config
 from nextn_graph.runtime.engine import SpecEngine
 
 from helpers import divergence_regret, random_prompt, reference_logits, within_tolerance

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nextn_graph.checkpoint import load_checkpoint
-from nextn_graph.cli import make_checkpoint
+from nextn_graph.cli.commands import make_checkpoint
 from nextn_graph.errors import CapacityError, InputError
-from nextn_graph.generate import plain_generate, reference_generate, validate_prompts
+from nextn_graph.runtime.generate import plain_generate, reference_generate, validate_prompts
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Collectives inside captured graphs, on two gloo ranks (``parallel.launch.spawn``).
+"""Collectives inside captured graphs, on two gloo ranks (``launch.ranks.spawn``).
 
 The emulator replays functional collectives (``TPGroup.all_reduce`` / ``all_gather``
 and the raw ``_c10d_functional`` ops) on new inputs exactly as eager computes them,
@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 from nextn_graph.graph.compile import dynamo_backend
 from nextn_graph.graph.emulator import CaptureError, CpuGraph
 from nextn_graph.graph.npu import NpuBackend
-from nextn_graph.parallel.launch import spawn
+from nextn_graph.launch.ranks import spawn
 
 from fake_npu import make_fake_npu
 

@@ -29,7 +29,7 @@ from hypothesis import given, settings, strategies as st
 
 from nextn_graph.cli import main
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.oracle import reference_candidates
 
@@ -322,9 +322,9 @@ def poison(eng: SpecEngine, batch: int) -> None:
         state.bonus[slot] = vocab - 1
         state.cand1[slot] = vocab - 1
         state.seed[slot] = math.nan
-    bufs = vars(eng.runner.phases.bufs)
+    bufs = vars(eng.runner.round.bufs)
     max_batch = bufs["slots"].shape[0]
-    if eng.runner.phases.fused:
+    if eng.runner.round.fused:
         bufs = {k: v for k, v in bufs.items() if k != "slots"}
     for t in bufs.values():
         rows_per_request = t.shape[0] // max_batch  # hidden holds N rows per request
@@ -432,7 +432,7 @@ def test_debug_address_check_names_the_moved_buffer(trained, name):
         eng = make_engine(trained, 3, max_requests=2, max_context=64,
                           graph=cpu_graphs(buckets=(1, 2), debug_check_addresses=debug))
         eng.generate([[5, 6, 7, 8]], 4, stop_ids=[])  # nothing moved: rounds replay fine
-        holder = eng.runner.phases.bufs if group == "bufs" else eng.state
+        holder = eng.runner.round.bufs if group == "bufs" else eng.state
         tensor = getattr(holder, attr)
         tensor.set_(torch.zeros_like(tensor))
         eng.add_request([5, 6, 7, 8], 6, stop_ids=[])

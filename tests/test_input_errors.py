@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from nextn_graph.checkpoint import build_models, resolve_checkpoint
+from nextn_graph.checkpoint.loader import build_models, resolve_checkpoint
 from nextn_graph.errors import ConfigError, InputError
-from nextn_graph.generate import (plain_generate, reference_generate,
-                                  validate_max_new_tokens, validate_prompt,
-                                  validate_stop_ids)
+from nextn_graph.runtime.generate import (plain_generate, reference_generate,
+                                          validate_max_new_tokens, validate_prompt,
+                                          validate_stop_ids)
 from nextn_graph.model.config import (config_from_dict, load_config, model_bytes,
                                       physical_memory_bytes)
-from nextn_graph.presets import TINY
+from nextn_graph.checkpoint.presets import TINY
 
 VOCAB = TINY["vocab_size"]
 

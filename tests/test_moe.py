@@ -18,7 +18,7 @@ from nextn_graph.model.moe import MoE
 from nextn_graph.model.qgemm import dequantize, grouped_dequant_mm, grouped_mm
 from nextn_graph.model.quant import FP4_VALUES, quantize
 from nextn_graph.parallel.group import TPGroup
-from nextn_graph.presets import TINY, preset_config
+from nextn_graph.checkpoint.presets import TINY, preset_config
 
 FP4_TABLE = torch.tensor(FP4_VALUES)
 
@@ -162,7 +162,7 @@ def test_quantized_model_runs_one_kernel_per_linear(tmp_path):
     """A QuantLinear forward is one ``quant_linear`` op; routed experts are three
     ``quant_grouped_mm`` ops per MoE whatever the number of experts."""
     from nextn_graph.checkpoint import save_checkpoint
-    from nextn_graph.loader import load_checkpoint
+    from nextn_graph.checkpoint.loader import load_checkpoint
     root = save_checkpoint(random_models(preset_config("tiny"), 0), tmp_path / "q",
                            quantize="fp8")
     q = load_checkpoint(root)

@@ -23,7 +23,7 @@ import torch
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import ConfigError
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.graph.backends import make_backend
 from nextn_graph.graph.emulator import CaptureError
 from nextn_graph.graph.compile import torchair_backend
@@ -72,7 +72,7 @@ def test_npu_backend_engine_equals_eager_and_reference(trained, expected, round_
     engine = SpecEngine(trained.target, trained.draft, SPEC, POOL,
                         GraphConfig(backend="npu", buckets=(1, 2), round=round_mode),
                         backend=backend, updates=reg)
-    assert not engine._overlap
+    assert not engine.rounds.overlap
     assert {(r.kind, r.bucket) for r in engine.runner.records} == {
         (k + v, b) for k in kinds for v in ("", "+sampling") for b in (1, 2)}
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())

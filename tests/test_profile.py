@@ -22,10 +22,10 @@ from nextn_graph.profile.counting import OpCounter
 from nextn_graph.model import config as model_config
 from nextn_graph.model.config import config_from_dict
 from nextn_graph.model.quant import QuantLinear
-from nextn_graph.presets import TINY, preset_config
+from nextn_graph.checkpoint.presets import TINY, preset_config
 from nextn_graph.profile import ProfileSettings, profile_round
 from nextn_graph.profile.build import (build_config, count_round, profile_models,
-                                       quantized_plan, round_phases)
+                                       quantized_plan, decode_round)
 from nextn_graph.profile.counter import WorkCounter
 from nextn_graph.profile.flops import FORMULAS
 from nextn_graph.profile.ideal import forward_weights
@@ -42,7 +42,7 @@ MORE_EXPERTS = config_from_dict({**TINY, "n_routed_experts": 16}, "16 experts")
 def _work(cfg, st: ProfileSettings, device: str = "meta", memo: bool = True):
     models = profile_models(build_config(cfg, st.max_context), st.weights, st.dtype, device)
     counter = WorkCounter(KindResolver((models.target, models.draft)), memo=memo)
-    count_round(round_phases(models, st), st.bucket, counter)
+    count_round(decode_round(models, st), st.bucket, counter)
     return counter
 
 
@@ -94,11 +94,11 @@ def test_meta_count_is_the_real_count(cfg, weights):
     st = ProfileSettings(bucket=2, max_requests=4, max_context=64, weights=weights)
     meta = _work(cfg, st).per_phase()
     models = profile_models(build_config(cfg, st.max_context), weights, st.dtype, "cpu")
-    phases = round_phases(models, st)
+    rnd = decode_round(models, st)
     with torch.no_grad(), OpCounter() as real:
-        for kind in phases.phase_kinds:
-            with real.phase(kind):
-                phases.run(kind, st.bucket)
+        for kind in rnd.phases:
+            with real.phase(kind.name):
+                rnd.run(kind, st.bucket)
     assert meta == dict(real.per_phase)
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from nextn_graph.checkpoint import load_checkpoint
-from nextn_graph.cli import main, make_checkpoint
+from nextn_graph.cli.commands import main, make_checkpoint
 from nextn_graph.errors import InputError
-from nextn_graph.generate import reference_generate
-from nextn_graph.prompts import read_prompts
-from nextn_graph.runtime.sampling import KEYS, SEED_LIMIT, request_seed
+from nextn_graph.runtime.generate import reference_generate
+from nextn_graph.cli.prompts import read_prompts
+from nextn_graph.sampling import KEYS, SEED_LIMIT, request_seed
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [9, 200, 31, 17, 3]]
 NEW = "12"  # tokens per request: enough that two seeds all but surely differ
@@ -243,7 +243,7 @@ def test_spec_mode_samples_the_same_in_graphs_and_eagerly(ckpt, tmp_path, capsys
 def test_greedy_only_config_refuses_a_sampled_request_before_capture(ckpt, tmp_path, capsys,
                                                                       monkeypatch):
     """graph.sampling false: a sampled line is named before any engine is built."""
-    import nextn_graph.generate_command as command
+    import nextn_graph.cli.generate as command
     config = tmp_path / "greedy.yaml"
     config.write_text("graph:\n  backend: eager\n  sampling: false\n")
     monkeypatch.setattr(command, "SpecEngine", None)  # building one would raise a TypeError

@@ -21,12 +21,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import nextn_graph.loader as loader
+import nextn_graph.checkpoint.loader as loader
 from nextn_graph.checkpoint import load_checkpoint, save_checkpoint
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import CheckpointError
-from nextn_graph.generate import plain_generate, reference_generate
-from nextn_graph.loader import resident_bytes
+from nextn_graph.runtime.generate import plain_generate, reference_generate
+from nextn_graph.checkpoint.loader import resident_bytes
 from nextn_graph.model.quant import QuantLinear
 from nextn_graph.runtime.engine import SpecEngine
 

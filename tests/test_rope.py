@@ -15,7 +15,7 @@ import math
 import torch
 
 from nextn_graph.model.ops import RopeTable
-from nextn_graph.presets import preset_config
+from nextn_graph.checkpoint.presets import preset_config
 
 
 def _reference_angles(dim: int, seqlen: int, original: int, base: float, factor: float,

@@ -16,8 +16,8 @@ import torch
 
 from nextn_graph.errors import InputError
 from nextn_graph.graph.emulator import CpuGraph
-from nextn_graph.runtime.sampling import (ACCEPT, DRAFT, SamplingParams, draw, filtered_probs,
-                                          key_hash, uniform)
+from nextn_graph.sampling import (ACCEPT, DRAFT, SamplingParams, draw, filtered_probs,
+                                  key_hash, uniform)
 
 
 def chi2_limit(dof: int, z: float = 3.0902) -> float:

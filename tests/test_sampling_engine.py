@@ -21,13 +21,13 @@ import torch
 
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import InputError
-from nextn_graph.generate import plain_generate, reference_generate
+from nextn_graph.runtime.generate import plain_generate, reference_generate
 from nextn_graph.graph.runner import RoundObserver
 from nextn_graph.graph.npu import NpuBackend
 from nextn_graph.graph.updates import UpdateRegistry
-from nextn_graph.runtime import sampling
+from nextn_graph import sampling
 from nextn_graph.runtime.engine import SpecEngine
-from nextn_graph.runtime.sampling import SamplingParams
+from nextn_graph.sampling import SamplingParams
 
 from helpers import corpus_prompts, random_prompt
 from fake_npu import make_fake_npu
@@ -135,7 +135,7 @@ def test_sampling_graphs_are_captured_beside_greedy_ones(trained):
     greedy = SpecEngine(trained.target, trained.draft, SPEC, POOL,
                         GraphConfig(backend="cpu", buckets=(1, 2, 4), sampling=False))
     assert [r.kind for r in greedy.runner.records] == ["round"] * 3
-    assert greedy.runner.phases.sampling is None
+    assert greedy.runner.round.sampling is None
     with pytest.raises(InputError, match=r"request 0: temperature 0.5 samples, but this "
                                          r"engine was built greedy-only \(graph.sampling"):
         greedy.add_request([1, 2, 3], 4, sampling={"temperature": 0.5})

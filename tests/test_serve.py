@@ -14,10 +14,10 @@ import pytest
 
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import load_run_config
-from nextn_graph.generate import plain_generate
+from nextn_graph.runtime.generate import plain_generate
 from nextn_graph.serve.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
-from nextn_graph.tokenizer import load_tokenizer
+from nextn_graph.checkpoint.tokenizer import load_tokenizer
 
 from serve_support import chat_checkpoint, metric, scrape
 
@@ -136,7 +136,7 @@ def test_chat_with_template(client, oracle):
 
 
 def load_tokenizer_text(ids):
-    from nextn_graph.tokenizer import byte_level_tokenizer
+    from nextn_graph.checkpoint.tokenizer import byte_level_tokenizer
     return byte_level_tokenizer().decode(ids, skip_special_tokens=True)
 
 

@@ -104,7 +104,7 @@ def test_serve_without_a_checkpoint_exits_2(tmp_path, capsys):
 def test_serve_passes_the_prefill_budget_to_the_engine(capsys):
     """--prefill-token-budget overrides the YAML's scheduler section; a bad value exits 2
     naming the key before anything listens."""
-    from nextn_graph.cli import build_parser, main
+    from nextn_graph.cli.commands import build_parser, main
     from nextn_graph.serve.command import serve_config
 
     args = build_parser().parse_args(["serve", "--prefill-token-budget", "64"])

@@ -23,7 +23,7 @@ import pytest
 from nextn_graph.cli import main
 from nextn_graph.config import PoolConfig, SpeculativeConfig
 from nextn_graph.errors import InputError
-from nextn_graph.generate import reference_generate
+from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.oracle import reference_candidates
 

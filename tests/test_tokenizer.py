@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import nextn_graph.cli as cli
+import nextn_graph.cli.commands as cli
 from nextn_graph.checkpoint import load_checkpoint, random_models, resolve_checkpoint, \
     save_checkpoint
 from nextn_graph.cli import main
 from nextn_graph.errors import CheckpointError
 from nextn_graph.model import load_config
-from nextn_graph.presets import preset_config
-from nextn_graph.tokenizer import TOKENIZER_FILE, byte_level_tokenizer, load_tokenizer, \
-    write_tokenizer
+from nextn_graph.checkpoint.presets import preset_config
+from nextn_graph.checkpoint.tokenizer import TOKENIZER_FILE, byte_level_tokenizer, load_tokenizer, \
+               write_tokenizer
 
 WORDS = {"<unk>": 2, "the": 10, "cat": 11, "sat": 12, "on": 13, "mat": 14, "dog": 200}
 # Every other id of the tiny model's 256 gets a filler word, so any output decodes to words.

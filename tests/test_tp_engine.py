@@ -1,7 +1,7 @@
 """Tensor parallelism end to end (gloo on CPU): the engine on 2 and 4 ranks equals tp = 1.
 
-Every check spawns real ranks (``parallel.launch.spawn``): rank 0 drives the engine,
-the others follow it (``parallel.follower.serve``). Tokens must equal the tp = 1 run
+Every check spawns real ranks (``launch.ranks.spawn``): rank 0 drives the engine,
+the others follow it (``launch.follower.serve``). Tokens must equal the tp = 1 run
 for plain, speculative eager and speculative on the ``cpu`` graph backend, over
 schedules with joins, leaves, stops and a bucket split. A killed or hung rank must
 end the others with an error within the configured timeout.
@@ -20,10 +20,10 @@ from nextn_graph.checkpoint import load_checkpoint, random_models
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import ParallelError
 from nextn_graph.model.config import config_from_dict
-from nextn_graph.parallel.follower import mirror, serve, shutdown
+from nextn_graph.launch.follower import mirror, serve, shutdown
 from nextn_graph.parallel.group import TPGroup
-from nextn_graph.parallel.launch import spawn
-from nextn_graph.presets import TINY
+from nextn_graph.launch.ranks import spawn
+from nextn_graph.checkpoint.presets import TINY
 from nextn_graph.runtime.engine import SpecEngine
 
 from helpers import corpus_prompts, random_prompt

@@ -15,7 +15,7 @@ import pytest
 from nextn_graph.config import load_run_config
 from nextn_graph.errors import ConfigError, ParallelError
 from nextn_graph.parallel.group import TPGroup
-from nextn_graph.parallel.launch import spawn
+from nextn_graph.launch.ranks import spawn
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -103,7 +103,7 @@ def test_bench_reports_collectives_and_weights_per_rank(tmp_path):
     graphs) and rank 0's one control message; per rank, the resident weight bytes: each
     rank's split bytes are half of one rank's, the replicated bytes the same."""
     from nextn_graph.checkpoint import load_checkpoint
-    from nextn_graph.parallel.sharding import sharded_bytes
+    from nextn_graph.checkpoint.sharding import sharded_bytes
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"pool": {"max_requests": 2, "max_context": 128},

@@ -1,6 +1,6 @@
 """Tensor and expert parallelism of the model and the loader (gloo ranks on CPU).
 
-A model on tp ranks is the tp = 1 model split (``parallel/sharding.py``): its cached
+A model on tp ranks is the tp = 1 model split (``checkpoint/sharding.py``): its cached
 forward, its ``reference`` and its draft give tp = 1's logits up to the fp32 order of
 the reductions, on every rank alike. A rank loads its own slices of a tp = 1
 checkpoint and reads nothing else. Each spawn costs seconds, so one spawn per group
@@ -15,15 +15,15 @@ import torch
 
 from nextn_graph.checkpoint import load_checkpoint, random_models, save_checkpoint
 from nextn_graph.errors import CheckpointError, ConfigError
-from nextn_graph.loader import build_models
+from nextn_graph.checkpoint.loader import build_models
 from nextn_graph.memory.batch import Chunk, ForwardBatch
 from nextn_graph.memory.pool import PoolLayout
 from nextn_graph.model.config import config_from_dict
 from nextn_graph.parallel.group import TPGroup
-from nextn_graph.parallel.launch import spawn
-from nextn_graph.parallel.sharding import SHARDING_TABLE, expert_of, sharded_bytes
-from nextn_graph.presets import TINY
-from nextn_graph.weights import scan
+from nextn_graph.launch.ranks import spawn
+from nextn_graph.checkpoint.sharding import SHARDING_TABLE, expert_of, sharded_bytes
+from nextn_graph.checkpoint.presets import TINY
+from nextn_graph.checkpoint.weights import scan
 
 TIMEOUT_S = 120.0
 PROMPT, DECODE = 140, 3  # the prompt crosses the window, C4 top-k and a C128 block

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nextn_graph.checkpoint import DATA_DIR
-from nextn_graph.cli import make_checkpoint
+from nextn_graph.checkpoint.loader import DATA_DIR
+from nextn_graph.cli.commands import make_checkpoint
 
 
 @pytest.mark.slow

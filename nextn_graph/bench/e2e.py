@@ -11,7 +11,7 @@ import time
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..runtime.engine import SpecEngine
-from ..runtime.sampling import SamplingParams
+from ..sampling import SamplingParams
 
 # Output tokens per request of the end-to-end comparison (fewer where the pool's
 # context cannot hold them); no stop token, so every request emits exactly these.

@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint.train import Corpus, TrainSettings
 from ..errors import ConfigError
 from ..profile.counting import RoundCounter, compiled_counter, launch_counter
 from ..runtime.engine import SpecEngine
-from ..train import Corpus, TrainSettings
 from .e2e import E2E_MAX_NEW, e2e_max_new, e2e_run, e2e_modes, e2e_summary
 from .engines import Engines, build_engines
 from .phases import PhaseTimer, count_round

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..loader import weight_bytes
+from ..checkpoint.loader import weight_bytes
 from ..config import RunConfig, compile_peer
 from ..graph.runner import plan_chunks
+from ..launch.ranks import load_on_ranks
 from ..parallel.group import TPGroup
-from ..parallel.launch import load_on_ranks
 from ..progress import progress_bar
 from .e2e import bench_temperature, sampling_summary
 from .engines import build_engines

@@ -4,8 +4,8 @@ measured kernel count beside the profile's, phase by phase."""
 
 from __future__ import annotations
 
+from ..checkpoint.loader import LoadedModel
 from ..config import RunConfig
-from ..loader import LoadedModel
 from ..model.quant import QuantLinear
 from ..profile import ProfileSettings, profile_round
 

@@ -13,7 +13,7 @@ every weight, KV pool and state tensor into the graph and the mutations back.
 Why each capture gets its own code object. Dynamo caches what it compiled on the
 *code object* of the frame, at most ``torch._dynamo.config.recompile_limit`` (8)
 entries each; with ``fullgraph=True`` the ninth raises ``FailOnRecompileLimitHit``.
-The runner captures ``partial(RoundPhases.run, kind, bucket)``: ``torch.compile`` of
+The runner captures ``partial(DecodeRound.run, kind, bucket)``: ``torch.compile`` of
 a partial compiles one wrapper frame that every partial shares, and a closure made
 by one ``def`` shares that ``def``'s code object, so every (kind, bucket) landed in
 one cache and the ninth capture failed. ``_entry`` copies a one-line trampoline's

@@ -1,6 +1,6 @@
 """Capture per bucket, and the replay manager that drives a decode round.
 
-What to capture is the ``kinds`` of the round (``runtime.round.RoundPhases``: its
+What to capture is the ``kinds`` of the round (``runtime.round.DecodeRound``: its
 three phases rollout, target_verify, draft_extend, or the one fused ``round``) for
 every bucket B of the config; how is the backend's business.
 One capture loop serves all kinds: largest bucket first, warm-up, one shared
@@ -36,7 +36,7 @@ from ..counters import Counters
 from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
-from ..config import SAMPLING_SUFFIX
+from ..config import GraphKind
 from ..errors import CaptureError
 from .transfers import HostTransfers, PendingRead
 from .updates import UpdateContext, UpdateRegistry
@@ -54,15 +54,15 @@ class RoundObserver:
     an observer overrides what it watches."""
 
     def phase(self, kind: str, replayed: bool) -> ContextManager:
-        """Around each phase of a chunk; ``replayed``: a graph ran it (else eager)."""
+        """Around each graph kind (its name) of a chunk; ``replayed``: a graph ran it."""
         return nullcontext()
 
     def event(self, name: str, start: float, end: float) -> None:
         """A chunk's ``launch`` or ``read`` half took [start, end] (perf_counter s)."""
 
 
-class Phases(Protocol):
-    """What a round offers the runner (``runtime.round.RoundPhases``): kinds to capture
+class Round(Protocol):
+    """What a round offers the runner (``runtime.round.DecodeRound``): kinds to capture
     and run per bucket, the static tensors they use, and its buffers and state."""
 
     bufs: "object"  # .slots [Bmax] staged request slots, .readout [Bmax, 1 + N + S]
@@ -72,12 +72,12 @@ class Phases(Protocol):
     fused: bool  # one kind; it flips the staged slots to the copies it wrote
 
     @property
-    def kinds(self) -> tuple[str, ...]: ...
+    def kinds(self) -> tuple[GraphKind, ...]: ...
 
     @property
-    def sampled_kinds(self) -> tuple[str, ...]: ...  # KIND+sampling for each kind, or ()
+    def sampled_kinds(self) -> tuple[GraphKind, ...]: ...  # each kind's sampling variant, or ()
 
-    def run(self, kind: str, b: int) -> None: ...
+    def run(self, kind: GraphKind, b: int) -> None: ...
 
     def static_tensors(self) -> dict[str, torch.Tensor]: ...
 
@@ -140,22 +140,22 @@ class RoundResult:
 
 
 @dataclass
-class RoundRunner:
-    phases: Phases
+class GraphRunner:
+    round: Round
     backend: GraphBackend
     buckets: tuple[int, ...]  # sorted; empty for eager
-    kinds: tuple[str, ...]  # which kinds to capture
+    kinds: tuple[str, ...]  # graph.kinds: which phases to capture
     warmup: int = 1
     debug_check_addresses: bool = False
     updates: UpdateRegistry = field(default_factory=UpdateRegistry)
-    graphs: dict[tuple[str, int], Graph] = field(default_factory=dict)
+    graphs: dict[tuple[str, int], Graph] = field(default_factory=dict)  # (kind name, bucket)
     records: list[CaptureRecord] = field(default_factory=list)
     counters: ReplayCounters = field(default_factory=ReplayCounters)
     # The tensor-parallel group's counts of collectives issued from Python (a capture
     # issues a graph's once; replays re-issue them unseen); None: no group.
     collectives: CollectiveCounts | None = None
     observer: RoundObserver | None = None  # measurement only; None in serving
-    # phases run, by (kind, bucket, "graph" | "eager"), since start: never reset
+    # kinds run, by (kind name, bucket, "graph" | "eager"), since start: never reset
     phase_runs: collections.Counter = field(default_factory=collections.Counter)
     _addresses: dict[str, int] = field(default_factory=dict)
     _collectives: dict[tuple[str, int], int] = field(default_factory=dict)  # per graph
@@ -168,18 +168,18 @@ class RoundRunner:
     _host: HostTransfers = field(init=False)
 
     def __post_init__(self) -> None:
-        self._host = HostTransfers(self.phases.bufs)
+        self._host = HostTransfers(self.round.bufs)
 
     @property
     def num_steps(self) -> int:
-        return self.phases.num_steps
+        return self.round.num_steps
 
-    def _round_kinds(self, sampled: bool = False) -> tuple[str, ...]:
-        return self.phases.sampled_kinds if sampled else self.phases.kinds
+    def _round_kinds(self, sampled: bool = False) -> tuple[GraphKind, ...]:
+        return self.round.sampled_kinds if sampled else self.round.kinds
 
-    def _captures(self, kind: str) -> bool:
-        """Whether ``kind`` (or the kind it is the sampling variant of) is captured."""
-        return self.phases.fused or kind.removesuffix(SAMPLING_SUFFIX) in self.kinds
+    def _captures(self, kind: GraphKind) -> bool:
+        """Whether ``kind`` (greedy or sampling) is captured."""
+        return self.round.fused or kind.unit in self.kinds
 
     # -- capture -----------------------------------------------------------------
     def capture(self, progress: bool = False) -> list[CaptureRecord]:
@@ -190,17 +190,17 @@ class RoundRunner:
                 for k in self._round_kinds() + self._round_kinds(sampled=True)
                 if self._captures(k)]
         for i, (bucket, kind) in enumerate(todo, start=1):
-            fn = functools.partial(self.phases.run, kind, bucket)
+            fn = functools.partial(self.round.run, kind, bucket)
             self._stage([], bucket)  # capture over padding rows only: writes land in row 0
             with torch.no_grad():
                 with self.backend.warmup_context():  # cuda: the capture's side stream
                     for _ in range(self.warmup):
                         fn()
                 issued = self._issued()
-                graph, record = timed_capture(self.backend, fn, pool, kind, bucket)
+                graph, record = timed_capture(self.backend, fn, pool, kind.name, bucket)
                 # what the capture issued from Python is what each replay re-issues
-                self._collectives[(kind, bucket)] = self._issued() - issued
-            self.graphs[(kind, bucket)] = graph
+                self._collectives[(kind.name, bucket)] = self._issued() - issued
+            self.graphs[(kind.name, bucket)] = graph
             self.records.append(record)
             if progress:
                 progress_bar(i, len(todo), f"captured {kind} B={bucket} in {record.seconds:.2f}s")
@@ -213,7 +213,7 @@ class RoundRunner:
         return self.collectives.total() if self.collectives is not None else 0
 
     def _snapshot(self) -> dict[str, int]:
-        return {name: t.data_ptr() for name, t in self.phases.static_tensors().items()}
+        return {name: t.data_ptr() for name, t in self.round.static_tensors().items()}
 
     def _check_addresses(self) -> None:
         for name, ptr in self._snapshot().items():
@@ -229,7 +229,7 @@ class RoundRunner:
         return plan
 
     def _stage(self, slots: list[int], bucket: int) -> None:
-        self._host.upload(slots, bucket, self.phases.bufs.slots)
+        self._host.upload(slots, bucket, self.round.bufs.slots)
 
     def run_chunk(self, slots: list[int], lengths: list[int], bucket: int,
                   read: bool = True, sampled: bool = False) -> RoundResult | None:
@@ -259,16 +259,17 @@ class RoundRunner:
             self._check_addresses()
         c.sampled_rounds += int(sampled)
         for kind in self._round_kinds(sampled):
-            graph = self.graphs.get((kind, bucket))
-            self.phase_runs[kind, bucket, "eager" if graph is None else "graph"] += 1
-            with self.observer.phase(kind, graph is not None) if self.observer else nullcontext():
+            graph = self.graphs.get((kind.name, bucket))
+            self.phase_runs[kind.name, bucket, "eager" if graph is None else "graph"] += 1
+            with (self.observer.phase(kind.name, graph is not None) if self.observer
+                  else nullcontext()):
                 self._run_phase(kind, bucket, graph, slots, lengths)
-        if self.phases.fused:  # the round flipped the staged slots to its new copies
-            rows = self.phases.state.rows
+        if self.round.fused:  # the round flipped the staged slots to its new copies
+            rows = self.round.state.rows
             self._resident = (bucket, tuple((s + rows) % (2 * rows) for s in slots))
         pending = None
         if read:  # one copy of b rows [accept_len, preds, drafts]
-            pending = PendingChunk(b, self._host.start_read(self.phases.bufs.readout[:b]))
+            pending = PendingChunk(b, self._host.start_read(self.round.bufs.readout[:b]))
             c.readback_copies += 1
         self._record("launch", start)
         return pending
@@ -278,7 +279,7 @@ class RoundRunner:
         start = time.perf_counter()
         host = self._host.finish_read(pending.read)  # [b, 1 + N + S] flat
         self.read_wait_s += time.perf_counter() - start
-        n, w = self.phases.verify_width, self.phases.bufs.readout.shape[1]
+        n, w = self.round.verify_width, self.round.bufs.readout.shape[1]
         rows = [host[i * w:(i + 1) * w] for i in range(pending.rows)]
         self._record("read", start)
         return RoundResult([r[0] for r in rows], [r[1:1 + n] for r in rows],
@@ -288,18 +289,18 @@ class RoundRunner:
         if self.observer is not None:
             self.observer.event(event, start, time.perf_counter())
 
-    def _run_phase(self, kind: str, bucket: int, graph: Graph | None, slots: list[int],
+    def _run_phase(self, kind: GraphKind, bucket: int, graph: Graph | None, slots: list[int],
                    lengths: list[int]) -> None:
         c, b = self.counters, len(slots)
         if graph is None:
-            self.phases.run(kind, bucket)
+            self.round.run(kind, bucket)
             c.eager_fallbacks += int(self.backend.captures)
             return
         update = None
         if graph.update_ops:
             pad = (0,) * (bucket - b)
-            rows = tuple(s % self.phases.state.rows for s in slots)  # pool rows of the slots
-            ctx = UpdateContext(bucket, self.phases.verify_width, rows + pad,
+            rows = tuple(s % self.round.state.rows for s in slots)  # pool rows of the slots
+            ctx = UpdateContext(bucket, self.round.verify_width, rows + pad,
                                 tuple(lengths) + pad)
             update = self.updates.derive(graph.update_ops, ctx)
             c.graph_updates += len(update)  # the NPU graph updates one task per op
@@ -309,4 +310,4 @@ class RoundRunner:
         self.replay_s += time.perf_counter() - start
         c.graph_replays += 1
         if self._issued() == issued:  # a compiled graph counts its own (Dynamo replays the
-            c.graph_collectives += self._collectives.get((kind, bucket), 0)  # increments)
+            c.graph_collectives += self._collectives.get((kind.name, bucket), 0)  # increments)

@@ -21,16 +21,23 @@ is allocated, and ``KVPool`` refuses a pool larger than its device's memory.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..errors import CapacityError
 from .batch import ForwardPlan
 
-if TYPE_CHECKING:  # model imports memory: a runtime import here would be circular
-    from ..model.config import ModelConfig
+class CacheDims(Protocol):
+    """What a pool reads of a model's config (``ModelConfig`` has these): the model
+    imports memory, so memory names the fields it needs instead of the class."""
+
+    sliding_window: int
+    head_dim: int
+    index_head_dim: int
+    max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,7 @@ class LayerShape:
     index: CompressedShape | None  # ratio 4 only
 
     @classmethod
-    def of(cls, cfg: ModelConfig, layout: PoolLayout, ratio: int) -> "LayerShape":
+    def of(cls, cfg: CacheDims, layout: PoolLayout, ratio: int) -> "LayerShape":
         n = layout.verify_width
 
         def compressed(dim: int) -> CompressedShape:
@@ -181,7 +188,7 @@ class LayerShape:
             c.elements for c in (self.compressed, self.index) if c is not None)
 
 
-def pool_nbytes(cfg: ModelConfig, layout: PoolLayout, ratios: list[int],
+def pool_nbytes(cfg: CacheDims, layout: PoolLayout, ratios: list[int],
                 dtype: torch.dtype) -> int:
     """Bytes a ``KVPool`` of this layout takes, computed before allocating anything;
     equals ``KVPool.nbytes()`` of the built pool."""
@@ -189,12 +196,19 @@ def pool_nbytes(cfg: ModelConfig, layout: PoolLayout, ratios: list[int],
     return layout.rows * elements * dtype.itemsize
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's physical RAM, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def device_memory_bytes(device: torch.device | str) -> int | None:
     """Memory a pool may take on ``device``: the host's physical RAM on CPU, the free
     memory on a CUDA or NPU device; None where it is unknown (e.g. ``meta``)."""
     device = torch.device(device)
     if device.type == "cpu":
-        from ..model.config import physical_memory_bytes  # model imports memory: not at top
         return physical_memory_bytes()
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -203,7 +217,7 @@ def device_memory_bytes(device: torch.device | str) -> int | None:
     return None
 
 
-def _check_layout(cfg: ModelConfig, layout: PoolLayout) -> None:
+def _check_layout(cfg: CacheDims, layout: PoolLayout) -> None:
     for key in ("max_requests", "max_context", "verify_width"):
         value = getattr(layout, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -217,7 +231,7 @@ def _check_layout(cfg: ModelConfig, layout: PoolLayout) -> None:
 class KVPool:
     """All KV storage of one model, plus the host-side request-row allocator."""
 
-    def __init__(self, cfg: ModelConfig, layout: PoolLayout, ratios: list[int],
+    def __init__(self, cfg: CacheDims, layout: PoolLayout, ratios: list[int],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         _check_layout(cfg, layout)
         need, have = pool_nbytes(cfg, layout, ratios, dtype), device_memory_bytes(device)

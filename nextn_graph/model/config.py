@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, show_value
+from ..memory.pool import physical_memory_bytes
 from ..textfile import parse_json, read_text
 
 INT64_LIMIT = 2**63  # every integer key is a tensor size, index or count
@@ -269,14 +269,6 @@ def _validate_yarn(y: YarnScaling, where: str) -> None:
     if y.beta_fast < y.beta_slow:
         raise ConfigError(f"{where}: rope_scaling.beta_fast {y.beta_fast} must be at least "
                           f"beta_slow {y.beta_slow}")
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical RAM, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def check_model_fits(cfg: ModelConfig, where: str) -> None:

@@ -3,7 +3,7 @@ per-layer SWA / C4 / C128 attention, ``hc_head``, final norm and LM head.
 
 Over a tensor-parallel group (``TPGroup``) the embedding and the LM head split the
 vocabulary (all-reduce of the looked-up rows, all-gather of the logits); the layers
-split heads and experts (``parallel/sharding.py`` is the table). A group of one runs
+split heads and experts (``checkpoint/sharding.py`` is the table). A group of one runs
 the single-device code, collectives and all skipped."""
 
 from __future__ import annotations

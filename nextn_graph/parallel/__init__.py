@@ -1,3 +1,4 @@
-"""Tensor and expert parallelism over ``torch.distributed``: the group the model calls
-(``group``), the sharding table (``sharding``), rank 0's round broadcast and the
-followers' loop (``control``, ``follower``), and the launchers (``launch``)."""
+"""Tensor-parallel primitives over ``torch.distributed``: the group the model calls
+(``group``) and rank 0's host messages to the other ranks (``control``). The lowest
+layer but the base modules: the sharding table is ``checkpoint.sharding``, starting the
+ranks and the followers' loop are ``nextn_graph.launch``."""

@@ -17,13 +17,12 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .group import TPGroup
+from ..counters import Counters
 
 INLINE_ROWS = 256  # a round of up to this many requests is one broadcast
 _HEAD = 4
@@ -44,8 +43,9 @@ class Message:
 class Channel:
     """The host-message channel of one group; ``send`` on rank 0, ``recv`` elsewhere."""
 
-    def __init__(self, group: "TPGroup"):
-        self.group = group
+    def __init__(self, control: dist.ProcessGroup | None, counts: Counters):
+        self.control = control  # the group's host process group (gloo)
+        self.counts = counts  # the group's CollectiveCounts: a broadcast adds to .control
         self._buf = torch.zeros(_HEAD + 2 * INLINE_ROWS, dtype=torch.int64,
                                 device="cpu")  # [head + 2*rows]; host messages
         self._host = self._buf.numpy()  # written in place: no tensor per round
@@ -57,8 +57,8 @@ class Channel:
         return self._engines
 
     def _bcast(self, t: torch.Tensor) -> None:
-        self.group.counts.control += 1
-        dist.broadcast(t, src=0, group=self.group.control)
+        self.counts.control += 1
+        dist.broadcast(t, src=0, group=self.control)
 
     # -- rank 0 ----------------------------------------------------------------------
     def send_round(self, engine: int, slots: list[int], lengths: list[int]) -> None:

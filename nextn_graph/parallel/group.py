@@ -56,7 +56,7 @@ class TPGroup:
         self.timeout_s = timeout_s
         self.counts = CollectiveCounts()
         # rank 0's decisions to the others (None for a group of one)
-        self.channel = Channel(self) if size > 1 else None
+        self.channel = Channel(self.control, self.counts) if size > 1 else None
 
     @classmethod
     def single(cls) -> "TPGroup":

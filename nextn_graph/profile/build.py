@@ -2,7 +2,7 @@
 KV pools and the round's static buffers, as ``SpecEngine`` builds them.
 
 ``SpecEngine`` itself cannot run on ``meta`` (it reads the accepted tokens back to the
-host), so the profile drives ``RoundPhases`` directly: split (rollout, target verify,
+host), so the profile drives ``DecodeRound`` directly: split (rollout, target verify,
 draft extend as three phases), greedy, one steady round of a bucket of B requests in
 pool rows 1..B.
 """
@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import _FP4_KEY, _FP8_KEY
+from ..checkpoint.loader import LoadedModel, _swap_linear, build_models, expected_state
+from ..checkpoint.save import _FP4_KEY, _FP8_KEY
 from ..config import MAX_NUM_STEPS, WEIGHTS_MODES
 from ..errors import InputError
-from ..loader import LoadedModel, _swap_linear, build_models, expected_state
 from ..memory.pool import PoolLayout
 from ..model import ModelConfig
 from ..runtime.buffers import RequestState, RoundBuffers
-from ..runtime.phases import SpecModels
-from ..runtime.round import RoundPhases
+from ..runtime.eagle import SpecModels
+from ..runtime.round import DecodeRound
 from .counter import WorkCounter
 from .specs import device_spec
 
@@ -108,7 +108,7 @@ def profile_models(cfg: ModelConfig, weights: str, dtype: torch.dtype,
     return models
 
 
-def round_phases(models: LoadedModel, st: ProfileSettings) -> RoundPhases:
+def decode_round(models: LoadedModel, st: ProfileSettings) -> DecodeRound:
     """Pools, request state and round buffers as ``SpecEngine`` allocates them, on the
     models' device, with the bucket's requests staged in pool rows 1..B (copy 0)."""
     target, draft = models.target, models.draft
@@ -119,12 +119,12 @@ def round_phases(models: LoadedModel, st: ProfileSettings) -> RoundPhases:
     bufs = RoundBuffers.allocate(st.max_requests, st.num_steps, models.cfg.hc_dim, device,
                                  dtype)
     bufs.slots[:st.bucket].copy_(torch.arange(1, st.bucket + 1, device=device))
-    return RoundPhases(m, state, bufs, st.num_steps)
+    return DecodeRound(m, state, bufs, st.num_steps)
 
 
-def count_round(phases: RoundPhases, bucket: int, counter: WorkCounter) -> None:
+def count_round(rnd: DecodeRound, bucket: int, counter: WorkCounter) -> None:
     """Run each phase of one round once under ``counter``, marked by its phase."""
     with torch.no_grad(), counter:
-        for kind in phases.phase_kinds:
-            with counter.phase(kind):
-                phases.run(kind, bucket)
+        for kind in rnd.phases:
+            with counter.phase(kind.name):
+                rnd.run(kind, bucket)

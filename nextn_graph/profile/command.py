@@ -6,11 +6,11 @@ import argparse
 import json
 from typing import Callable
 
+from ..checkpoint.loader import resolve_checkpoint
+from ..checkpoint.presets import PRESETS, preset_config
 from ..config import WEIGHTS_MODES, load_run_config
 from ..errors import InputError
-from ..loader import resolve_checkpoint
 from ..model.config import load_config
-from ..presets import PRESETS, preset_config
 from .build import ProfileSettings
 from .report import text
 from .run import profile_round

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..loader import LoadedModel
+from ..checkpoint.loader import LoadedModel
 from .build import ProfileSettings
 
 ROUTED = re.compile(r"^(.*\.ffn)\.experts\.")  # group: the MoE layer
@@ -58,7 +58,7 @@ def forward_weights(state: dict[str, Tensor], experts: int, topk: int) -> Forwar
 
 
 def ideal_bytes(models: LoadedModel, st: ProfileSettings) -> dict[str, int]:
-    """Least weight bytes per phase of one round (the phases ``RoundPhases`` runs)."""
+    """Least weight bytes per phase of one round (the phases ``DecodeRound`` runs)."""
     cfg = models.cfg
     target_state = models.target.state_dict()
     shared = {k: target_state[k] for k in ("embed.weight", "head.weight")}

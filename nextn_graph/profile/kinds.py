@@ -1,7 +1,7 @@
 """Which part of the model an op belongs to: its module kind, from the Python stack.
 
 The innermost frame of the op's stack that lies in ``nextn_graph/model``,
-``nextn_graph/memory`` or ``nextn_graph/runtime`` decides, keyed on its file, and in a
+``nextn_graph/memory``, ``nextn_graph/runtime`` or ``nextn_graph/sampling.py`` decides, keyed on its file, and in a
 few files on its function (``co_qualname``) as well:
 
 - model/attention.py: attention
@@ -18,9 +18,9 @@ few files on its function (``co_qualname``) as well:
 - model/experts.py: moe_routed (the stacked experts' grouped GEMMs)
 - model/quant.py, model/qgemm.py: defer (a quantized linear belongs to its user)
 - memory/pool.py, memory/batch.py: kv_cache
-- runtime/phases.py: bookkeeping (``window_batch``), accept/sampling (the rest: argmax,
+- runtime/eagle.py: bookkeeping (``window_batch``), accept/sampling (the rest: argmax,
   acceptance, select_index)
-- runtime/sampling.py: accept/sampling
+- sampling.py: accept/sampling
 - runtime/round.py, runtime/buffers.py: bookkeeping (state gather and store, buffer
   copies)
 
@@ -42,7 +42,7 @@ from typing import Callable, Iterable
 from torch import nn
 
 OTHER = "other"
-_FOLDERS = ("model", "memory", "runtime")
+_FOLDERS = ("model", "memory", "runtime", "sampling.py")  # (sampling: one module)
 # A module's path in the model -> the kind of the MoE part it is (model/moe.py frames).
 _MOE_PATHS = ((re.compile(r"(^|\.)ffn\.gate$"), "moe_gate"),
               (re.compile(r"(^|\.)ffn\.shared_experts$"), "moe_shared"),
@@ -71,9 +71,9 @@ def _static_kind(rel: str, qualname: str) -> str | None:
         return "moe_routed"
     if rel in ("memory/pool.py", "memory/batch.py"):
         return "kv_cache"
-    if rel == "runtime/phases.py":
+    if rel == "runtime/eagle.py":
         return "bookkeeping" if "window_batch" in name else "accept/sampling"
-    if rel == "runtime/sampling.py":
+    if rel == "sampling.py":
         return "accept/sampling"
     if rel in ("runtime/round.py", "runtime/buffers.py"):
         return "bookkeeping"

@@ -6,7 +6,7 @@ import time
 
 from ..model import ModelConfig
 from .build import (DTYPE_NAMES, ProfileSettings, build_config, check_settings, count_round,
-                    profile_models, round_phases)
+                    profile_models, decode_round)
 from .counter import WorkCounter
 from .ideal import ideal_bytes, phase_forwards
 from .kinds import KindResolver
@@ -46,12 +46,12 @@ def profile_round(cfg: ModelConfig, st: ProfileSettings, source: str, top: int =
     spec = device_spec(st.device_spec)
     built_cfg = build_config(cfg, st.max_context)
     models = profile_models(built_cfg, st.weights, st.dtype)
-    phases = round_phases(models, st)
+    rnd = decode_round(models, st)
     built = time.perf_counter()
     counter = WorkCounter(KindResolver((models.target, models.draft)), memo=True)
-    count_round(phases, st.bucket, counter)
+    count_round(rnd, st.bucket, counter)
     counted = time.perf_counter()
-    out = summarize(counter.work, spec, ideal_bytes(models, st), phases.phase_kinds, top)
+    out = summarize(counter.work, spec, ideal_bytes(models, st), [k.name for k in rnd.phases], top)
     out["forwards"] = phase_forwards(st)
     out["config"] = {
         "source": source, **{k: (origin or {}).get(k) for k in ORIGINS},

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import RowParams
+from ..sampling import RowParams
 
 
 @dataclass(frozen=True)

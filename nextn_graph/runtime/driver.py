@@ -1,8 +1,7 @@
 """The round's driver: run every running request's decode round and commit it.
 
-``RoundDriver`` is the part of ``SpecEngine`` that drives rounds (the engine owns
-requests and failure, ``PrefillDriver`` admission and prefill; this owns one round's
-launch, read and commit).
+``RoundDriver`` (``SpecEngine.rounds``) owns one round's launch, read and commit; the
+``Scheduler`` owns the requests, their commit and failure, the ``Prefiller`` the prefill.
 
 Two ways to drive a round:
 
@@ -26,30 +25,52 @@ import collections
 
 import torch
 
-from ..graph.runner import RoundResult, plan_chunks
+from ..graph.runner import GraphRunner, RoundResult, plan_chunks
+from ..parallel.group import TPGroup
+from .buffers import RequestState
 from .request import Request
+from .scheduler import Scheduler
+from .stats import SpecStats
 
 
 class RoundDriver:
-    """Mixed into ``SpecEngine``: uses its requests, runner, stats and commit/fail."""
+    """Runs the running requests' rounds over ``runner`` and commits them through
+    ``scheduler``; on a tensor-parallel group ``tp`` it first tells the other ranks
+    (engine ``engine_id``). ``sampled_rows``: by pool row, whether its request samples
+    (the prefill writes it). ``overlap``: graph.overlap on."""
 
-    # rounds launched and not yet read, oldest first (at most two: the one being read
-    # and the one just launched); one stays here until its readback succeeded, so an
-    # interrupt during a read loses nothing: the next step reads it again
-    _inflight: collections.deque
+    def __init__(self, runner: GraphRunner, state: RequestState, stats: SpecStats,
+                 scheduler: Scheduler, tp: TPGroup, engine_id: int, sampled_rows: list[bool],
+                 overlap: bool):
+        self.runner, self.state, self.stats, self.sched = runner, state, stats, scheduler
+        self.tp, self.engine_id, self.sampled_rows = tp, engine_id, sampled_rows
+        self.overlap = overlap
+        self.num_steps = runner.num_steps
+        # rounds launched and not yet read, oldest first (at most two: the one being read
+        # and the one just launched); one stays here until its readback succeeded, so an
+        # interrupt during a read loses nothing: the next step reads it again
+        self.inflight: collections.deque = collections.deque()
+
+    def samples(self, slots: list[int]) -> bool:
+        """Whether a chunk runs the sampling variants: one of its requests samples."""
+        rows = self.state.rows
+        return any(self.sampled_rows[s % rows] for s in slots)
 
     @torch.no_grad()
-    def _round(self) -> None:
-        while len(self._inflight) > 1:  # a read an interrupt cut short: finish it first
+    def run(self) -> None:
+        """One round of every running request (and the read of the one in flight)."""
+        if self.sched.broken:  # its requests failed with the group
+            return self.inflight.clear()
+        while len(self.inflight) > 1:  # a read an interrupt cut short: finish it first
             self._finish_oldest()  # (the next launch would reuse its host buffer)
-        live = [r for r in self._running.values() if not r.finished]
-        if not self._overlap:
+        live = [r for r in self.sched.running.values() if not r.finished]
+        if not self.overlap:
             return self._round_in_step(live)
         buckets = self.runner.buckets if self.runner.graphs else ()
         if not live or len(plan_chunks(len(live), buckets)) != 1:
             # nothing to launch, or a split round: no overlap this time
             self._drain()  # (which may finish some)
-            live = [r for r in self._running.values() if not r.finished]
+            live = [r for r in self.sched.running.values() if not r.finished]
             return self._round_in_step(live) if live else None
         (_, bucket), = self.runner.plan(len(live))
         slots, lengths = self._announce(live)
@@ -57,16 +78,16 @@ class RoundDriver:
             return
         try:
             pending = self.runner.launch_chunk(slots, lengths, bucket,
-                                               sampled=self._chunk_samples(slots))
+                                               sampled=self.samples(slots))
         except Exception as exc:
             self._drain()  # round k-1 read and committed first (it may finish some)
             live = [r for r in live if not r.finished]
             return self._unit_failed(live, live, exc)
         for req in live:
             req.copy ^= 1  # the device state moves on with the round in flight
-        self.runner.counters.overlapped_rounds += int(bool(self._inflight))
-        self._inflight.append((live, pending))
-        while len(self._inflight) > 1:
+        self.runner.counters.overlapped_rounds += int(bool(self.inflight))
+        self.inflight.append((live, pending))
+        while len(self.inflight) > 1:
             self._finish_oldest()
 
     def _announce(self, reqs: list[Request]):
@@ -78,38 +99,38 @@ class RoundDriver:
             try:
                 self.tp.channel.send_round(self.engine_id, slots, lengths)
             except Exception as exc:
-                self._fail_group(reqs, exc, "decode round")
+                self.sched.fail_all(reqs, exc, "decode round")
+                self.inflight.clear()
                 return None, None
         return slots, lengths
 
     def _unit_failed(self, chunk: list[Request], active: list[Request], exc: Exception) -> None:
-        if self.tp.parallel:
-            self._fail_group(active, exc, "decode round")
-        else:
-            self._fail(chunk, exc, "decode round")
+        self.sched.fail_unit(chunk, active, exc, "decode round")
+        if self.sched.broken:  # every request failed: nothing in flight is read
+            self.inflight.clear()
 
     def _drain(self) -> None:
         """Read and commit every round in flight."""
-        while self._inflight:
+        while self.inflight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         """Read the oldest round in flight back and commit it; requests that finished
         before it (or were aborted) had their extra round: dropped, rows released."""
-        chunk, pending = self._inflight[0]
+        chunk, pending = self.inflight[0]
         try:
             res = self.runner.finish_chunk(pending)
         except Exception as exc:  # (an interrupt leaves the round queued, to read again)
             res = exc
-        self._inflight.popleft()  # read, or failed for good: this round is over
+        self.inflight.popleft()  # read, or failed for good: this round is over
         for req in chunk:  # a request that finished before it: its extra round's row
-            if req.finished and self._running.get(req.row) is req:
-                self._release(req)
+            if req.finished and self.sched.running.get(req.row) is req:
+                self.sched.release(req)
         if isinstance(res, Exception):
             alive = [r for r in chunk if not r.finished]
             return self._unit_failed(alive, alive, res)
         keep = [i for i, r in enumerate(chunk) if not r.finished]
-        held = {id(r) for later, _ in self._inflight for r in later}
+        held = {id(r) for later, _ in self.inflight for r in later}
         self.stats.rounds += int(bool(keep))
         self._commit_round([chunk[i] for i in keep], RoundResult(
             [res.accept_lens[i] for i in keep], [res.preds[i] for i in keep],
@@ -126,7 +147,7 @@ class RoundDriver:
             start += size
             try:
                 res = self.runner.run_chunk(slots[part], lengths[part], bucket,
-                                            sampled=self._chunk_samples(slots[part]))
+                                            sampled=self.samples(slots[part]))
             except Exception as exc:
                 self._unit_failed(chunk, active, exc)
                 if self.tp.parallel:
@@ -152,15 +173,4 @@ class RoundDriver:
         st.proposed_drafts += b * s
         st.accepted_drafts += sum(res.accept_lens) - b
         for req, a, preds, drafts in zip(chunk, res.accept_lens, res.preds, res.drafts):
-            self._commit(req, preds[:a], drafts, hold=id(req) in held, accepted=a - 1)
-
-    # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
-    @torch.no_grad()
-    def follow_round(self, slots: list[int], lengths: list[int]) -> None:
-        """Rank 0's round, chunk for chunk, without reading anything back."""
-        start = 0
-        for size, bucket in self.runner.plan(len(slots)):
-            part = slots[start:start + size]
-            self.runner.run_chunk(part, lengths[start:start + size], bucket, read=False,
-                                  sampled=self._chunk_samples(part))
-            start += size
+            self.sched.commit(req, preds[:a], drafts, hold=id(req) in held, accepted=a - 1)

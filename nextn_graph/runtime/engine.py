@@ -4,10 +4,13 @@
 prefills up to ``scheduler.prefill_token_budget`` prompt tokens (prefill + draft
 extend for prefill, eager; a longer prompt goes in chunks over several steps, see
 ``runtime/prefill.py``), then runs one speculative round for every running request
-and returns each request's newly committed tokens. A
-finished request's pool row goes back at once. Per-request device state lives in
-tables indexed by pool row, so a round gathers it with one index tensor and the
-only host sync of a round is reading the accepted tokens back.
+and returns each request's newly committed tokens. A finished request's pool row goes
+back at once. Per-request device state lives in tables indexed by pool row, so a round
+gathers it with one index tensor and the only host sync of a round is reading the
+accepted tokens back. The engine is a facade over three parts, each given what it
+needs: the ``Scheduler`` (``runtime/scheduler.py``: queues, admission, commit and
+failure, host only), the ``Prefiller`` (``runtime/prefill.py``) and the
+``RoundDriver`` (``runtime/driver.py``).
 
 A step is all-or-nothing per request. The host's outputs are the source of
 truth; a round writes each request's next device state into a second copy
@@ -23,36 +26,39 @@ delivered by the next step.
 
 from __future__ import annotations
 
-import collections
-import logging
 import time
 from typing import Iterable, Sequence
 
+from ..checkpoint.loader import load_checkpoint
 from ..config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig,
                       check_pool, check_scheduler, check_section, resolve_graph,
                       resolve_speculative)
 from ..errors import InputError, ParallelError, RequestFailed
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
-from ..generate import (GenerateResult, validate_max_new_tokens, validate_prompt,
-                        validate_prompts, validate_stop_ids)
+from .generate import (GenerateResult, validate_max_new_tokens, validate_prompt,
+                       validate_prompts, validate_stop_ids)
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..graph.backends import GraphBackend, make_backend
-from ..graph.runner import RoundRunner
+from ..graph.runner import GraphRunner
 from ..graph.updates import UpdateRegistry
-from . import phases
 from .buffers import RequestState, RoundBuffers, SamplingTables
 from .driver import RoundDriver
-from .prefill import PrefillDriver
-from .round import RoundPhases
-from .request import Request, StepOutput
-from .sampling import SamplingParams, sampling_params, sampling_per_prompt
+from .eagle import SpecModels
+from .prefill import Prefiller
+from .round import DecodeRound
+from .request import StepOutput
+from ..sampling import SamplingParams, sampling_params, sampling_per_prompt
+from .scheduler import Scheduler
 from .stats import SpecStats
 
-log = logging.getLogger(__name__)
 
-class SpecEngine(PrefillDriver, RoundDriver):
+class SpecEngine:
+    """The public facade: a ``Scheduler`` (requests, commit and failure, host only), a
+    ``Prefiller`` (admission's prefill) and a ``RoundDriver`` (the decode rounds) over
+    one ``GraphRunner``."""
+
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                  spec: SpeculativeConfig | None, pool: PoolConfig,
                  graph: GraphConfig | None = None,
@@ -71,11 +77,10 @@ class SpecEngine(PrefillDriver, RoundDriver):
         where = "SpecEngine"
         # rank 0 alone schedules (the other ranks follow its chunks): checked before
         # the other ranks are told to build
-        scheduler = check_section(scheduler or SchedulerConfig(), where, "scheduler.")
-        check_scheduler(scheduler, where)
-        self.prefill_budget = scheduler.prefill_token_budget
+        sched_cfg = check_section(scheduler or SchedulerConfig(), where, "scheduler.")
+        check_scheduler(sched_cfg, where)
         self.tp: TPGroup = target.tp
-        self._broken: str | None = None  # why a tensor-parallel group can no longer run
+        self.engine_id = 0  # on a tensor-parallel group: the same on every rank
         if self.tp.parallel:
             if backend is not None or updates is not None:
                 raise InputError("SpecEngine: a prebuilt graph backend or update registry "
@@ -96,8 +101,7 @@ class SpecEngine(PrefillDriver, RoundDriver):
                                             "graph."), pool, where)
         layout = PoolLayout(pool.max_requests, pool.max_context, width)
         self.max_context = pool.max_context
-        self.models = phases.SpecModels(target, draft, target.new_pool(layout),
-                                        draft.new_pool(layout))
+        self.models = SpecModels(target, draft, target.new_pool(layout), draft.new_pool(layout))
         self.device = target.embed.weight.device
         dtype = target.embed.weight.dtype
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
@@ -106,35 +110,29 @@ class SpecEngine(PrefillDriver, RoundDriver):
         self.samples = graph.sampling  # requests may sample (tables and graphs for it)
         sampling = SamplingTables.allocate(layout.rows, pool.max_requests, self.num_steps,
                                            self.cfg.vocab_size, self.device) if self.samples else None
-        self._sampled_rows = [False] * layout.rows  # by pool row: its request samples
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates,
                                           compile_backend=graph.compile_backend)
-        self.runner = RoundRunner(
-            RoundPhases(self.models, self.state, bufs, self.num_steps,
+        self.runner = GraphRunner(
+            DecodeRound(self.models, self.state, bufs, self.num_steps,
                         fused=graph.round == "fused", sampling=sampling), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates, collectives=self.tp.counts)
         self.runner.capture(progress=progress and self.tp.is_driver)
-        self._overlap = graph.overlap == "on"  # see runtime/driver.py
-        self._inflight = collections.deque()  # overlapped rounds launched, not yet read
-        # Waiting requests in arrival order; an aborted one stays until admission
-        # skips it (finished), so abort() is O(1) however long the queue.
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._num_waiting = 0  # live requests in _waiting
-        self._prefilling: dict[int, Request] = {}  # by rid: rows held, prompts part done
-        self._running: dict[int, Request] = {}  # by pool row
-        self._live: dict[int, Request] = {}  # by rid: waiting, being prefilled or running
-        self._outbox: list[StepOutput] = []  # made but not yet returned by step()
-        self._next_rid = 0
         self.stats = SpecStats(verify_width=width)
+        self.scheduler = Scheduler(self.models.target_pool, self.stats,
+                                   sched_cfg.prefill_token_budget,
+                                   self.tp.rank if self.tp.parallel else None)
+        sampled_rows = [False] * layout.rows  # by pool row: its request samples
+        self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
+                                 self.tp, self.engine_id, self.num_steps, sampled_rows)
+        self.rounds = RoundDriver(self.runner, self.state, self.stats, self.scheduler, self.tp,
+                                  self.engine_id, sampled_rows, overlap=graph.overlap == "on")
 
     @classmethod
     def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":
         """Load the config's checkpoint on its device and dtype, build and capture."""
-        from ..checkpoint import load_checkpoint  # checkpoint imports the model only
-
         models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights)
         return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                    progress=progress, scheduler=cfg.scheduler)
@@ -148,21 +146,16 @@ class SpecEngine(PrefillDriver, RoundDriver):
         ``sampling``: None decodes greedily; a ``SamplingParams`` (or a dict of its
         fields) samples with its temperature, top_p, top_k and seed (None: a fresh one).
         """
-        if self._broken:
+        if self.scheduler.broken:
             raise ParallelError(f"tensor parallelism: this engine's group failed "
-                                f"({self._broken}); it takes no more requests")
-        rid = self._next_rid
-        prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens,
-                                 f"request {rid}", self.lookahead)
-        max_new_tokens = validate_max_new_tokens(max_new_tokens, f"request {rid}")
-        stops = validate_stop_ids(stop_ids, self.cfg, f"request {rid}")
-        params = self._checked_sampling(sampling, f"request {rid}")
-        self._next_rid += 1
-        req = Request(rid, prompt, max_new_tokens, stops, params)
-        self._waiting.append(req)
-        self._live[rid] = req
-        self._num_waiting += 1
-        return rid
+                                f"({self.scheduler.broken}); it takes no more requests")
+        where = f"request {self.scheduler.next_rid}"
+        prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens, where,
+                                 self.lookahead)
+        max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
+        stops = validate_stop_ids(stop_ids, self.cfg, where)
+        params = self._checked_sampling(sampling, where)
+        return self.scheduler.add(prompt, max_new_tokens, stops, params)
 
     def _checked_sampling(self, sampling: object, where: str) -> SamplingParams:
         params = sampling_params(sampling, where)
@@ -178,99 +171,37 @@ class SpecEngine(PrefillDriver, RoundDriver):
         are untouched: their state lives in their own rows. After it returns,
         ``step()`` returns nothing more for ``rid``.
         """
-        req = self._live.get(rid)
-        if req is None:
-            return False
-        if req.row:
-            self._release(req)
-        else:  # still waiting: admission skips it
-            del self._live[rid]
-            self._num_waiting -= 1
-            if not self._num_waiting:
-                self._waiting.clear()
-        req.finished = True
-        if self._outbox:
-            self._outbox = [o for o in self._outbox if o.rid != rid]
-        return True
+        return self.scheduler.abort(rid)
 
     @property
     def lookahead(self) -> int:
         """Positions a verify window writes past a request's last output: S - 1, and N
         more with overlap (the round launched before the request's end was read)."""
-        extra = self.verify_width if self._overlap else 0  # a finished request's extra round
+        extra = self.verify_width if self.rounds.overlap else 0  # a finished request's extra round
         return max(self.num_steps - 1, 0) + extra
 
     @property
     def has_work(self) -> bool:
-        return bool(self._num_waiting or self._prefilling or self._running or self._outbox
-                    or self._inflight)
+        return self.scheduler.has_work or bool(self.rounds.inflight)
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self.scheduler.num_waiting
 
     def step(self) -> list[StepOutput]:
         """Admit, run one round, and return every output made since the last return."""
-        if self._broken and not self._outbox:  # its failures were returned already
+        sched = self.scheduler
+        if sched.broken and not sched.outbox:  # its failures were returned already
             raise ParallelError(f"tensor parallelism: this engine's group failed "
-                                f"({self._broken}); every request was failed")
+                                f"({sched.broken}); every request was failed")
         start = time.perf_counter()
-        self._admit()
+        self.prefill.step()
         mid = time.perf_counter()
-        if (self._running or self._inflight) and not self._broken:
-            self._round()
+        if sched.running or self.rounds.inflight:
+            self.rounds.run()
         self.stats.prefill_s += mid - start
         self.stats.round_s += time.perf_counter() - mid
-        outs, self._outbox = self._outbox, []
-        return outs
-
-    # -- commit and failure (host only) ------------------------------------------
-    def _release(self, req: Request) -> None:
-        """A request leaves the engine (finished, failed or aborted): its row goes back."""
-        self._running.pop(req.row, None)  # absent while being prefilled
-        self._prefilling.pop(req.rid, None)
-        self._live.pop(req.rid, None)
-        self.models.target_pool.release(req.row)
-
-    def _commit(self, req: Request, tokens: list[int], drafts: list[int],
-                hold: bool = False, accepted: int | None = None) -> None:
-        """``hold``: the request is in the round in flight, which releases its row."""
-        kept = req.emit(tokens)
-        self.stats.emitted_tokens += len(kept)
-        if req.finished and not hold:
-            self._release(req)
-        self._outbox.append(StepOutput(req.rid, kept, req.finished, drafts, accepted=accepted))
-
-    def _fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
-        """A fault in one unit of work: its requests fail, with the error, rows released."""
-        reason = f"{where}: {type(exc).__name__}: {str(exc)[:500]}"
-        log.error("%s; failing requests %s", reason, [r.rid for r in reqs], exc_info=exc)
-        self.stats.faults += 1
-        self.stats.failed_requests += len(reqs)
-        for req in reqs:
-            req.finished = True
-            if req.row:
-                self._release(req)
-            else:  # still waiting (a group failure fails the queue too)
-                self._live.pop(req.rid, None)
-            self._outbox.append(StepOutput(req.rid, [], True, [], error=reason))
-
-    def _fail_group(self, reqs: list[Request], exc: Exception, where: str) -> None:
-        """A fault on a tensor-parallel group: the ranks may have run different work (or a
-        rank is gone), so no request can go on. Every live request fails explicitly with
-        the reason (this step returns them), and later steps raise ``ParallelError``."""
-        others = [r for r in self._live.values() if r not in reqs and not r.finished]
-        self._fail(list(reqs) + others, exc, f"{where} (tensor-parallel rank {self.tp.rank})")
-        self._waiting.clear()
-        self._num_waiting = 0
-        self._inflight.clear()
-        self._broken = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
-
-    # -- phases ----------------------------------------------------------------
-    def _chunk_samples(self, slots: list[int]) -> bool:
-        """Whether a chunk runs the sampling variants: one of its requests samples."""
-        rows = self.state.rows
-        return any(self._sampled_rows[s % rows] for s in slots)
+        return sched.take_outputs()
 
     # -- convenience -----------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -286,8 +217,7 @@ class SpecEngine(PrefillDriver, RoundDriver):
         """
         if self.has_work:
             raise InputError(f"generate() runs a batch on an idle engine; this one has "
-                             f"{self._num_waiting + len(self._prefilling) + len(self._running)} "
-                             f"requests in flight "
+                             f"{self.scheduler.num_in_flight} requests in flight "
                              f"(drive them with step())")
         # All-or-nothing: a bad prompt or stop id raises before any request is queued.
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)

@@ -1,7 +1,7 @@
 """Admission and prefill under a per-step token budget (chunked prefill).
 
-``PrefillDriver`` is the part of ``SpecEngine`` that admits requests and prefills
-their prompts (the engine owns requests and failure; ``RoundDriver`` the rounds).
+The ``Prefiller`` (``SpecEngine.prefill``) runs the chunks the ``Scheduler`` plans
+(``Scheduler.plan_prefill``: admission and the budget); the ``RoundDriver`` the rounds.
 
 Each step, before the round, spends at most ``scheduler.prefill_token_budget``
 prompt tokens, first come first served: first the requests already being prefilled
@@ -31,90 +31,56 @@ chunk's forward (and, for a final chunk, the bonus's readback) succeeded.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from ..memory.batch import Chunk
 from ..parallel.control import Message
-from . import phases
+from ..parallel.group import TPGroup
+from . import eagle
+from .buffers import RequestState, SamplingTables
+from .eagle import SpecModels
 from .request import Request
-from .sampling import RowParams, SamplingParams
+from ..sampling import RowParams, SamplingParams
+from .scheduler import Scheduler
+from .stats import SpecStats
 
 
-def budget_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request, int]]:
-    """The step's chunks, first come first served: (request, end) for each request that
-    gets one, its chunk the prompt positions ``request.prefilled .. end - 1``; at most
-    ``budget`` positions in all (0: unlimited)."""
-    left = budget or sys.maxsize
-    plan = []
-    for req in prefilling:
-        if left <= 0:
-            break
-        take = min(len(req.prompt) - req.prefilled, left)
-        plan.append((req, req.prefilled + take))
-        left -= take
-    return plan
+class Prefiller:
+    """Prefills what ``scheduler`` plans each step into the pools (``models``) and the
+    rows' state copy 0, then hands the final chunks' requests back to it to run. On a
+    tensor-parallel group ``tp`` it first tells the other ranks (engine ``engine_id``).
+    ``sampling``: the engine's sampling tables (None: greedy only); ``sampled_rows``: by
+    pool row, whether its request samples (written here, read by the rounds)."""
 
-
-class PrefillDriver:
-    """Mixed into ``SpecEngine``: uses its queue, pools, state, stats and commit/fail."""
-
-    # requests holding a pool row whose prompt is not fully prefilled yet, by rid in
-    # arrival order (dicts keep insertion order)
-    _prefilling: dict[int, Request]
-    prefill_budget: int  # scheduler.prefill_token_budget: 0 = unlimited
-
-    def _take_waiting(self) -> None:
-        """Rows for waiting requests while the pool has rows and the step has budget."""
-        pool = self.models.target_pool
-        left = self.prefill_budget or sys.maxsize
-        left -= sum(len(r.prompt) - r.prefilled for r in self._prefilling.values())
-        while left > 0 and self._num_waiting and pool.free_rows:
-            req = self._waiting.popleft()
-            if req.finished:  # aborted while waiting
-                continue
-            req.row = pool.alloc()
-            self._num_waiting -= 1
-            self._prefilling[req.rid] = req
-            left -= len(req.prompt)
+    def __init__(self, models: SpecModels, state: RequestState, sampling: SamplingTables | None,
+                 stats: SpecStats, scheduler: Scheduler, tp: TPGroup, engine_id: int,
+                 num_steps: int, sampled_rows: list[bool]):
+        self.models, self.state, self.sampling, self.stats = models, state, sampling, stats
+        self.sched, self.tp, self.engine_id = scheduler, tp, engine_id
+        self.num_steps, self.sampled_rows = num_steps, sampled_rows
+        self.device = state.lengths.device
 
     @torch.no_grad()
-    def _admit(self) -> None:
-        self._take_waiting()
-        plan = budget_chunks(list(self._prefilling.values()), self.prefill_budget)
+    def step(self) -> None:
+        """Admit, then prefill the step's chunks: one unit of work."""
+        plan = self.sched.plan_prefill()
         if not plan:
             return
         reqs = [r for r, _ in plan]
         try:
             bonus = self._prefill(plan)
-        except Exception as exc:
-            if self.tp.parallel:  # the ranks' states may now differ: nothing can go on
-                self._fail_group(reqs, exc, "prefill")
-            else:
-                self._fail(reqs, exc, "prefill")
+        except Exception as exc:  # on a group the ranks' states may now differ: all fail
+            self.sched.fail_unit(reqs, reqs, exc, "prefill")
             return
         except BaseException:  # an interrupt: back to the head of the queue, from scratch
-            for req in reversed(reqs):
-                self._prefilling.pop(req.rid)
-                self.models.target_pool.release(req.row)
-                req.row, req.prefilled = 0, 0
-                self._waiting.appendleft(req)
-            self._num_waiting += len(reqs)
+            self.sched.requeue(reqs)
             raise
         st = self.stats
         st.prefill_forwards += 1
         st.nextn_extend_forwards += int(self.num_steps > 0)
         st.prefill_chunks += len(plan)
-        done = [req for req, end in plan if end == len(req.prompt)]
-        st.prompt_tokens += sum(len(r.prompt) for r in done)
-        for req, end in plan:
-            req.prefilled = end
-        for req, tok in zip(done, bonus):
-            del self._prefilling[req.rid]
-            req.copy = 0
-            self._running[req.row] = req
-            self._commit(req, [tok], [])
+        st.prompt_tokens += sum(len(r.prompt) for r, end in plan if end == len(r.prompt))
+        self.sched.prefilled(plan, bonus)
 
     def _prefill(self, plan: list[tuple[Request, int]]) -> list[int]:
         """One step's chunks into the rows' copy 0 -> the final chunks' bonus tokens (host)."""
@@ -123,18 +89,18 @@ class PrefillDriver:
         params = [r.sampling for r, end in plan if end == len(r.prompt)]
         if self.tp.parallel:  # the other ranks prefill the same chunks
             self.tp.channel.send(Message("prefill", self.engine_id, (chunks, nexts, params)))
-        bonus = self._prefill_chunks(chunks, nexts, params)
+        bonus = self.run_chunks(chunks, nexts, params)
         return bonus.tolist() if params else []
 
-    def _prefill_chunks(self, chunks: list[Chunk], nexts: list[int | None],
-                        params: list[SamplingParams]) -> torch.Tensor:
+    def run_chunks(self, chunks: list[Chunk], nexts: list[int | None],
+                   params: list[SamplingParams]) -> torch.Tensor:
         """Every rank's part of a step's prefill: -> the final chunks' bonus tokens [F]
         (on the device). ``params``: the final chunks' (``nexts`` None), in order."""
         sampled = [not p.greedy for p in params]
         row_params = RowParams.of(params, self.device) if any(sampled) else None
-        bonus, cand1, seed, q1 = phases.prefill(self.models, chunks, nexts, self.device,
-                                                with_draft=self.num_steps > 0,
-                                                params=row_params)
+        bonus, cand1, seed, q1 = eagle.prefill(self.models, chunks, nexts, self.device,
+                                               with_draft=self.num_steps > 0,
+                                               params=row_params)
         if not params:
             return bonus
         final = [c for c, n in zip(chunks, nexts) if n is None]
@@ -142,18 +108,12 @@ class PrefillDriver:
         slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
         lengths = torch.tensor([c.start + len(c.tokens) for c in final], device=self.device)
         self.state.store(slots, lengths, bonus, cand1, seed)
-        if self.samples:  # every row's parameters, greedy ones too (a sampling chunk
-            tables = self.runner.phases.sampling  # gathers them for all its rows)
-            tables.store(torch.tensor(rows, device=self.device),
-                         row_params or RowParams.of(params, self.device))
+        if self.sampling is not None:
+            # every row's parameters, greedy ones too: a sampling chunk gathers all its rows'
+            self.sampling.store(torch.tensor(rows, device=self.device),
+                                row_params or RowParams.of(params, self.device))
             if q1 is not None:
-                tables.q1.index_put_((slots,), q1)
+                self.sampling.q1.index_put_((slots,), q1)
         for row, s in zip(rows, sampled):
-            self._sampled_rows[row] = s
+            self.sampled_rows[row] = s
         return bonus
-
-    # -- following rank 0 (tensor-parallel ranks other than 0) ---------------------------
-    @torch.no_grad()
-    def follow_prefill(self, chunks: list[Chunk], nexts: list[int | None],
-                       params: list[SamplingParams]) -> None:
-        self._prefill_chunks(chunks, nexts, params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .sampling import GREEDY, SamplingParams
+from ..sampling import GREEDY, SamplingParams
 
 
 @dataclass

@@ -11,26 +11,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import FUSED_KIND, GRAPH_KINDS, SAMPLING_SUFFIX
-from . import phases
+from ..config import FUSED_ROUND, PHASES, GraphKind
+from . import eagle
 from .buffers import RequestState, RoundBuffers, SamplingTables
-from .phases import SpecModels
-from .sampling import RowParams, one_hot, speculative_accept
+from .eagle import SpecModels
+from ..sampling import RowParams, one_hot, speculative_accept
 
 
 @dataclass(frozen=True)
-class RoundPhases:
-    """The decode phases of one bucket B, as closures over static tensors.
+class DecodeRound:
+    """The decode round of one bucket B: its phases as closures over static tensors.
 
     ``num_steps`` 0 is plain decoding: the verify window is the bonus alone and
     the verify phase commits it; there is no draft. ``fused``: the round is one
-    phase, ``round`` (every phase in order, then the staged slots flip to the copies
-    the round wrote), so it is one graph and a steady batch needs no staging.
+    graph kind, ``round`` (every phase in order, then the staged slots flip to the
+    copies the round wrote), so it is one graph and a steady batch needs no staging.
 
     ``sampling`` (tables, where the engine samples): every kind also has a sampling
-    variant, ``KIND+sampling``, that draws each request's tokens with its parameters
-    (speculative rejection sampling); greedy rows in it take exactly the greedy
-    tokens. A chunk of greedy requests only runs the greedy kinds.
+    variant (``GraphKind.sampled``, ``KIND+sampling``) that draws each request's tokens
+    with its parameters (speculative rejection sampling); greedy rows in it take exactly
+    the greedy tokens. A chunk of greedy requests only runs the greedy kinds.
     """
 
     m: SpecModels
@@ -46,31 +46,33 @@ class RoundPhases:
         return self.bufs.preds.shape[1]
 
     @property
-    def phase_kinds(self) -> tuple[str, ...]:
+    def phases(self) -> tuple[GraphKind, ...]:
         """The phases of a round, in order (no rollout below 2 steps, no draft at 0)."""
-        return tuple(k for k in GRAPH_KINDS if k != "rollout" or self.num_steps > 1
-                     if k != "draft_extend" or self.num_steps > 0)
+        return tuple(k for k in PHASES if k.unit != "rollout" or self.num_steps > 1
+                     if k.unit != "draft_extend" or self.num_steps > 0)
 
     @property
-    def kinds(self) -> tuple[str, ...]:
+    def kinds(self) -> tuple[GraphKind, ...]:
         """What the runner runs (and captures) per round: the phases, or the one round."""
-        return (FUSED_KIND,) if self.fused else self.phase_kinds
+        return (FUSED_ROUND,) if self.fused else self.phases
 
     @property
-    def sampled_kinds(self) -> tuple[str, ...]:
+    def sampled_kinds(self) -> tuple[GraphKind, ...]:
         """The sampling variants of ``kinds`` (none where the engine does not sample)."""
-        return tuple(k + SAMPLING_SUFFIX for k in self.kinds) if self.sampling else ()
+        return tuple(k.variant(True) for k in self.kinds) if self.sampling else ()
 
-    def run(self, kind: str, b: int) -> None:
-        base = kind.removesuffix(SAMPLING_SUFFIX)
-        {"rollout": self.rollout, "target_verify": self.verify,
-         "draft_extend": self.draft_extend, FUSED_KIND: self.round}[base](b, base != kind)
+    def run(self, kind: GraphKind, b: int) -> None:
+        self._unit(kind.unit)(b, kind.sampled)
+
+    def _unit(self, unit: str):
+        return {"rollout": self.rollout, "target_verify": self.verify,
+                "draft_extend": self.draft_extend, FUSED_ROUND.unit: self.round}[unit]
 
     def round(self, b: int, sampled: bool = False) -> None:
         """The whole round, then the staged slots flip to the copies it wrote: the next
         round of the same requests reads them without a staging copy."""
-        for kind in self.phase_kinds:
-            self.run(kind + SAMPLING_SUFFIX if sampled else kind, b)
+        for kind in self.phases:  # (no GraphKind built here: a compiled round traces it)
+            self._unit(kind.unit)(b, sampled)
         slots = self.bufs.slots[:b]
         slots.copy_(self.state.other(slots))
 
@@ -94,7 +96,7 @@ class RoundPhases:
         and S - 1 NextN decode calls."""
         slots, rows = self._staged(b)
         lengths, _, cand1, seed = self.state.gather(slots)
-        tokens, q = phases.rollout(self.m, rows, lengths, cand1, seed, self.num_steps,
+        tokens, q = eagle.rollout(self.m, rows, lengths, cand1, seed, self.num_steps,
                                    self._params(rows, sampled))
         self.bufs.draft_tokens[:b].copy_(tokens)
         if q is not None:
@@ -109,7 +111,7 @@ class RoundPhases:
             self.bufs.draft_tokens[:b].copy_(cand1.unsqueeze(1))
         params = self._params(rows, sampled)
         drafts = self.bufs.draft_tokens[:b]
-        out, hidden = phases.verify(self.m, rows, lengths, bonus, drafts, params)
+        out, hidden = eagle.verify(self.m, rows, lengths, bonus, drafts, params)
         if self.num_steps == 0:  # plain decoding: the next state is the one new token
             token = out[:, 0] if params is None else params.next_token(out[:, 0], lengths)
             self.bufs.accept_lens[:b].fill_(1)
@@ -119,7 +121,7 @@ class RoundPhases:
             self.state.bonus.index_put_((nxt,), token)
             return
         if params is None:  # greedy: the target's predictions, a leading-match chain
-            tokens, accept_lens = out, phases.accept(drafts, out)
+            tokens, accept_lens = out, eagle.accept(drafts, out)
         else:  # rejection sampling against the q each candidate was drawn from
             q = self.sampling.q[:b]
             # greedy rows never stored q of candidate 1: it is the one-hot of it
@@ -137,7 +139,7 @@ class RoundPhases:
         lengths = self.state.gather(slots)[0]
         preds, accept_lens = self.bufs.preds[:b], self.bufs.accept_lens[:b]
         bonus = preds.gather(1, (accept_lens - 1).unsqueeze(1)).squeeze(1)  # [B]
-        cand1, seed, q1 = phases.draft_extend(self.m, rows, lengths, preds,
+        cand1, seed, q1 = eagle.draft_extend(self.m, rows, lengths, preds,
                                               self.bufs.hidden[: b * n], accept_lens,
                                               self._params(rows, sampled))
         # Commit by length, into the copy the host flips to once the readback succeeded.

@@ -23,10 +23,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..checkpoint.corpus import corpus  # noqa: E402
+from ..checkpoint.loader import resolve_checkpoint  # noqa: E402
 from ..config import RunConfig, load_run_config  # noqa: E402
-from ..corpus import corpus  # noqa: E402
 from ..errors import InputError  # noqa: E402
-from ..loader import resolve_checkpoint  # noqa: E402
 from ..model.config import load_config  # noqa: E402
 from .bench import MAX_REQUESTS, Job, Load, run_load  # noqa: E402
 from .limits import ServeSettings  # noqa: E402

@@ -12,6 +12,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import CheckpointError, show_value
+from .errors import APIError
 
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -22,7 +23,6 @@ class ChatTemplate:
     template: jinja2.Template
 
     def render(self, messages: list[dict]) -> str:
-        from .errors import APIError  # the one failure a request can cause here
         try:
             return self.template.render(messages=messages, add_generation_prompt=True)
         except jinja2.TemplateError as exc:

@@ -14,16 +14,14 @@ import signal
 
 import uvicorn
 
-from ..checkpoint import load_checkpoint
+from ..checkpoint.loader import load_checkpoint, resolve_checkpoint
+from ..checkpoint.tokenizer import load_tokenizer
 from ..config import RunConfig, load_run_config
 from ..errors import NextnGraphError
-from ..loader import resolve_checkpoint
 from ..runtime.engine import SpecEngine
-from ..tokenizer import load_tokenizer
 from .app import create_app
 from .chat import load_chat_template
-from .cli_options import API_KEY_ENV
-from .limits import ServeSettings
+from .limits import API_KEY_ENV, ServeSettings
 from .protocol import ModelInfo
 
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from .errors import APIError
 
+API_KEY_ENV = "NEXTN_GRAPH_API_KEY"  # a key kept off the command line (and ps)
+
 if TYPE_CHECKING:  # the command line reads the defaults without the web libraries
     from starlette.requests import Request
 

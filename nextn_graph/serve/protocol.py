@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checkpoint.tokenizer import CheckpointTokenizer
 from ..errors import InputError, show_value
-from ..runtime.sampling import SamplingParams
-from ..tokenizer import CheckpointTokenizer
+from ..sampling import SamplingParams
 from .chat import ChatTemplate
 from .errors import APIError
 

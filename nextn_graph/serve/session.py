@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from ..tokenizer import CheckpointTokenizer
+from ..checkpoint.tokenizer import CheckpointTokenizer
 from .errors import APIError
 from .metrics import ServeMetrics
 from .protocol import GenRequest

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .limits import ServeSettings
-
-API_KEY_ENV = "NEXTN_GRAPH_API_KEY"  # a key kept off the command line (and ps)
+from ..serve.limits import API_KEY_ENV, ServeSettings
 
 
 def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
@@ -93,7 +91,7 @@ def add_serve_commands(sub, positive, add_threads) -> None:
 def run_serve_command(args: argparse.Namespace, pin_threads) -> int:
     pin_threads(args.threads, "cpu")  # (the engine's device may differ; cpu: tiny widths)
     if args.command == "serve":
-        from .command import run_serve
+        from ..serve.command import run_serve
         return run_serve(args)
-    from .bench_command import run_bench_serve_command
+    from ..serve.bench_command import run_bench_serve_command
     return run_bench_serve_command(args)

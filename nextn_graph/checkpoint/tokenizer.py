@@ -13,7 +13,7 @@ leaves special tokens (BOS, EOS) out of the text.
 id 0 ``<bos>``, id 1 ``<eos>``, ids 2..255 the bytes 0x02..0xff (id = byte value,
 so ASCII text reads as its own codes). Regenerate the shipped file with::
 
-    .venv/bin/python -c "from pathlib import Path; from nextn_graph.tokenizer import \\
+    .venv/bin/python -c "from pathlib import Path; from nextn_graph.checkpoint.tokenizer import \\
         byte_level_tokenizer, write_tokenizer; \\
         write_tokenizer(byte_level_tokenizer(), Path('nextn_graph/data/tiny-trained'))"
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from .errors import CheckpointError, InputError, show_value
-from .textfile import read_text
+from ..errors import CheckpointError, InputError, show_value
+from ..textfile import read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 

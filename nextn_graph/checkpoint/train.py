@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import LoadedModel, random_models
+from ..memory.batch import Chunk, ForwardBatch
+from ..memory.pool import PoolLayout
 from .corpus import TRAINED_PHRASES, Corpus  # noqa: F401  (Corpus: imported from here too)
-from .memory.batch import Chunk, ForwardBatch
-from .memory.pool import PoolLayout
+from .loader import LoadedModel
 from .presets import preset_config
+from .save import random_models
 
 log = logging.getLogger(__name__)
 

@@ -11,18 +11,18 @@ import json
 import sys
 from dataclasses import asdict
 
-from .checkpoint import resolve_checkpoint
-from .config import RunConfig
-from .errors import InputError, show_value
-from .generate import plain_generate, reference_generate, validate_prompts
-from .parallel.follower import mirror
-from .parallel.group import TPGroup
-from .parallel.launch import load_on_ranks
+from ..checkpoint.loader import resolve_checkpoint
+from ..checkpoint.tokenizer import CheckpointTokenizer, load_tokenizer
+from ..config import RunConfig
+from ..errors import InputError, show_value
+from ..launch.follower import mirror
+from ..launch.ranks import load_on_ranks
+from ..parallel.group import TPGroup
+from ..runtime.engine import SpecEngine
+from ..runtime.generate import plain_generate, reference_generate, validate_prompts
+from ..sampling import (KEYS as SAMPLING_KEYS, SamplingParams, request_seed,
+                         sampling_per_prompt)
 from .prompts import Prompt, prompt_ids, read_prompts
-from .runtime.engine import SpecEngine
-from .runtime.sampling import (KEYS as SAMPLING_KEYS, SamplingParams, request_seed,
-                                sampling_per_prompt)
-from .tokenizer import CheckpointTokenizer, load_tokenizer
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
 SAMPLING_OPTIONS = {  # generate's options, by SamplingParams field: (type, help)

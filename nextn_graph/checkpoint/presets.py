@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .errors import ConfigError
-from .model.config import ModelConfig, config_from_dict
+from ..errors import ConfigError
+from ..model.config import ModelConfig, config_from_dict
 
 # Tiny but complete: layers cover ratios 0, 4 and 128; index_topk 4 makes the
 # indexer select a strict subset once a sequence has more than 16 positions; the

@@ -19,8 +19,8 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError
-from .textfile import parse_json, read_text
+from ..errors import CheckpointError
+from ..textfile import parse_json, read_text
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

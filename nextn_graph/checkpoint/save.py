@@ -19,17 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .errors import CheckpointError
-# load_checkpoint, resolve_checkpoint and DATA_DIR live in loader; re-exported here,
-# where callers have always found them
-from .loader import (DATA_DIR, LoadedModel, build_models, expected_state,  # noqa: F401
-                     load_checkpoint, resolve_checkpoint)
-from .model import ModelConfig
-from .model.quant import QuantLinear
-from .model.quant import quantize as quantize_weight
-from .parallel.group import TPGroup
-from .parallel.sharding import slice_for
+from ..errors import CheckpointError
+from ..model import ModelConfig
+from ..model.quant import QuantLinear
+from ..model.quant import quantize as quantize_weight
+from ..parallel.group import TPGroup
+from .loader import LoadedModel, build_models, expected_state
 from .presets import init_random, iter_random, storage_dtype
+from .sharding import slice_for
 from .weights import INDEX_FILE, SINGLE_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # beside the weights

@@ -29,8 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..checkpoint.loader import load_checkpoint
+from ..checkpoint.sharding import sharded_bytes
 from ..errors import ParallelError
-from .group import TPGroup
+from ..parallel.group import TPGroup
 
 DEFAULT_TIMEOUT_S = 300.0
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -154,9 +156,6 @@ def fingerprint(run_config: Any, model_config: Any) -> str:
 def load_on_ranks(cfg: Any, group: TPGroup, progress: bool = False):
     """Every rank loads its slices of the config's checkpoint, then the ranks check they
     loaded the same thing -> (models, each rank's resident weight bytes by kind)."""
-    from ..loader import load_checkpoint  # the loader builds the model: import when used
-    from .sharding import sharded_bytes
-
     models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
                              progress=progress and group.is_driver, tp=group)
     per_rank = group.agree(fingerprint(cfg, models.cfg), sharded_bytes(models))

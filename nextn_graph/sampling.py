@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..errors import InputError, show_value
+from .errors import InputError, show_value
 
 SEED_LIMIT = 2**63  # seeds are int64 tensors
 MASK32 = 0xFFFFFFFF

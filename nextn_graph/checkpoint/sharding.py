@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.quant import FP4_BLOCK, FP8_BLOCK
-from .group import TPGroup
+from ..parallel.group import TPGroup
 
 SPLIT, EXPERT = "split", "expert"
 

@@ -13,7 +13,7 @@ Quantized weights (an FP8 or packed FP4 ``.weight`` beside its ``.scale``, see
 (``"dequantized"``). Errors name the directory (or file) and the key.
 
 Under tensor parallelism (``tp``) each rank builds its local shapes and reads only its
-slices (``parallel/sharding.py``): a dim-0 slice is one positioned read of its bytes,
+slices (``checkpoint/sharding.py``): a dim-0 slice is one positioned read of its bytes,
 a dim-1 slice one read per row; other ranks' experts are never read. Header checks
 compare the checkpoint's global shapes with the model's local ones through the table.
 """
@@ -28,16 +28,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import WEIGHTS_MODES
-from .errors import CheckpointError, ConfigError
-from .model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
-from .model.config import check_model_fits, config_from_dict, physical_memory_bytes
-from .model.quant import (FP4_VALUES, QuantConfig, QuantLinear, as_bits, check_quant_values,
-                          check_scale, dequantize, quant_config, quant_format)
-from .parallel.group import TPGroup
-from .parallel.sharding import global_shape, is_foreign, part_for, quant_parts
-from .progress import progress_bar
-from .textfile import parse_json, read_text
+from ..config import WEIGHTS_MODES
+from ..errors import CheckpointError, ConfigError
+from ..memory.pool import physical_memory_bytes
+from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
+from ..model.config import check_model_fits, config_from_dict
+from ..model.quant import (FP4_VALUES, QuantConfig, QuantLinear, as_bits, check_quant_values,
+                           check_scale, dequantize, quant_config, quant_format)
+from ..parallel.group import TPGroup
+from ..progress import progress_bar
+from ..textfile import parse_json, read_text
+from .sharding import global_shape, is_foreign, part_for, quant_parts
 from .weights import Shards, TensorInfo, scan
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIASES = {"mtp.0.emb.tok_emb.weight": "embed.weight", "mtp.0.head.weight": "head.weight"}
 _MTP_KEY = re.compile(r"^mtp\.(\d+)\.")
 BUILTIN = "builtin:"
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # nextn_graph/data
 
 
 @dataclass

@@ -16,23 +16,24 @@ from pathlib import Path
 
 import torch
 
-from .bench import BenchSettings, run_bench
-from .bench.report import table
-from .checkpoint import QUANTIZE, load_checkpoint, random_models, save_checkpoint
-from .config import (COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, WEIGHTS_MODES, RunConfig,
-                     load_run_config)
-from .corpus import corpus
-from .errors import ConfigError, InputError, NextnGraphError, show_value
-from .generate_command import MODES, add_sampling_options, run_generate
-from .parallel.follower import serve, shutdown
-from .parallel.group import TPGroup
-from .parallel.launch import close_group, group_from_env, load_on_ranks, spawn
-from .presets import PRESETS, preset_config
-from .profile import add_profile_options, run_profile
-from .runtime.engine import SpecEngine
-from .serve.cli_options import add_serve_commands, run_serve_command
-from .tokenizer import byte_level_tokenizer, write_tokenizer
-from .train import TRAINED_PRESET, make_trained
+from ..bench import BenchSettings, run_bench
+from ..bench.report import table
+from ..checkpoint.corpus import corpus
+from ..checkpoint.loader import load_checkpoint
+from ..checkpoint.presets import PRESETS, preset_config
+from ..checkpoint.save import QUANTIZE, random_models, save_checkpoint
+from ..checkpoint.tokenizer import byte_level_tokenizer, write_tokenizer
+from ..checkpoint.train import TRAINED_PRESET, make_trained
+from ..config import (COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, WEIGHTS_MODES, RunConfig,
+                      load_run_config)
+from ..errors import ConfigError, InputError, NextnGraphError, show_value
+from ..launch.follower import serve, shutdown
+from ..launch.ranks import close_group, group_from_env, load_on_ranks, spawn
+from ..parallel.group import TPGroup
+from ..profile import add_profile_options, run_profile
+from ..runtime.engine import SpecEngine
+from .generate import MODES, add_sampling_options, run_generate
+from .serve_options import add_serve_commands, run_serve_command
 
 SEED_LIMIT = 2**63  # torch generators take a 64-bit seed
 
@@ -324,7 +325,7 @@ def _rank_entry(group: TPGroup, argv: list[str]) -> int:
 
 def _ranked(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> int:
     """Rank 0 runs the command and drives the others; every other rank loads its slices
-    of the model and follows rank 0 (``parallel.follower``) until it shuts down."""
+    of the model and follows rank 0 (``launch.follower``) until it shuts down."""
     _pin_threads(args.threads, cfg.device)
     if not group.is_driver:
         models, _ = load_on_ranks(cfg, group)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import InputError, show_value
-from .memory.batch import Chunk, ForwardBatch
-from .memory.pool import PoolLayout
-from .model import DeepseekV4ForCausalLM, ModelConfig
-from .runtime.sampling import RowParams, SamplingParams, sampling_per_prompt
+from ..errors import InputError, show_value
+from ..memory.batch import Chunk, ForwardBatch
+from ..memory.pool import PoolLayout
+from ..model import DeepseekV4ForCausalLM, ModelConfig
+from ..sampling import RowParams, SamplingParams, sampling_per_prompt
 
 
 @dataclass

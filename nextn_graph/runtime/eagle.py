@@ -1,4 +1,4 @@
-"""The per-round phases of EAGLE speculative decoding with topk 1.
+"""The EAGLE step functions (topk 1): the math of a round's phases and of prefill.
 
 Notation: B requests, committed length ``L`` (target KV exists for positions
 < L), the bonus token at position L (confirmed, its KV not yet computed),
@@ -35,7 +35,7 @@ import torch
 from ..memory.batch import Chunk, ForwardBatch
 from ..memory.pool import KVPool
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
-from .sampling import DRAFT, RowParams, draw
+from ..sampling import DRAFT, RowParams, draw
 
 
 @dataclass

@@ -4,8 +4,9 @@ Rank 0 runs the user's program (a server, ``generate``, the bench) and its engin
 send each decision over the group's ``Channel``: build an engine (every rank then
 builds and captures the same one), prefill prompt chunks into rows, run a round over
 slots, run a mirrored call (reference decoding), shut down. A follower never
-reads tokens back and never decides: its state follows rank 0's exactly because
-every forward is the same and every collective result is the same on every rank.
+reads tokens back and never decides (``follow_prefill``, ``follow_round``): its state
+follows rank 0's exactly because every forward is the same and every collective
+result is the same on every rank.
 
 A receive that fails (rank 0 died or hung past the timeout) ends the loop with a
 ``ParallelError``, so no follower outlives its driver.
@@ -16,11 +17,16 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import torch
+
+from ..checkpoint.loader import LoadedModel
 from ..errors import ParallelError
-from ..generate import plain_generate, reference_generate
-from ..loader import LoadedModel
-from .control import Message
-from .group import TPGroup
+from ..memory.batch import Chunk
+from ..parallel.control import Message
+from ..parallel.group import TPGroup
+from ..runtime.engine import SpecEngine
+from ..runtime.generate import plain_generate, reference_generate
+from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +51,26 @@ def shutdown(group: TPGroup) -> None:
         group.channel.send(Message("shutdown"))
 
 
+@torch.no_grad()
+def follow_prefill(engine: SpecEngine, chunks: list[Chunk], nexts: list[int | None],
+                   params: list[SamplingParams]) -> None:
+    """Rank 0's prefill of a step's chunks, without reading the bonus tokens back."""
+    engine.prefill.run_chunks(chunks, nexts, params)
+
+
+@torch.no_grad()
+def follow_round(engine: SpecEngine, slots: list[int], lengths: list[int]) -> None:
+    """Rank 0's round, chunk for chunk, without reading anything back."""
+    start = 0
+    for size, bucket in engine.runner.plan(len(slots)):
+        part = slots[start:start + size]
+        engine.runner.run_chunk(part, lengths[start:start + size], bucket, read=False,
+                                sampled=engine.rounds.samples(part))
+        start += size
+
+
 def serve(models: LoadedModel, group: TPGroup) -> int:
     """Follow rank 0 until it shuts down -> the number of messages handled."""
-    from ..runtime.engine import SpecEngine  # the engine imports this package
-
     engines: dict[int, SpecEngine] = {}
     handled = 0
     while True:
@@ -68,9 +90,9 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
                                     f"{engine.engine_id}, rank 0 engine {msg.engine}")
             engines[msg.engine] = engine
         elif msg.kind == "prefill":
-            engines[msg.engine].follow_prefill(*msg.payload)
+            follow_prefill(engines[msg.engine], *msg.payload)
         elif msg.kind == "round":
-            engines[msg.engine].follow_round(*msg.payload)
+            follow_round(engines[msg.engine], *msg.payload)
         elif msg.kind == "call":
             name, args, kwargs = msg.payload
             MIRRORED[name](models, *args, **kwargs)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import InputError, show_value
-from .runtime.sampling import KEYS as SAMPLING_KEYS, SamplingParams
-from .textfile import parse_json, read_text
-from .tokenizer import TOKENIZER_FILE, CheckpointTokenizer
+from ..checkpoint.tokenizer import TOKENIZER_FILE, CheckpointTokenizer
+from ..errors import InputError, show_value
+from ..sampling import KEYS as SAMPLING_KEYS, SamplingParams
+from ..textfile import parse_json, read_text
 
 PROMPT_KEYS = ("input_ids", "text")  # exactly one per line
 PROMPT_FORMS = '{"input_ids": [int, ...]} or {"text": "..."}'

@@ -1,0 +1,190 @@
+"""The scheduler: which requests wait, which are prefilled, which run, and what a
+step returns. Host bookkeeping only; the drivers do the device work.
+
+It owns the waiting queue (arrival order; an aborted request stays in it until
+admission skips it, so ``abort`` is O(1) however long the queue), the requests being
+prefilled (they hold pool rows, prompts part done) and running, the live index, the
+outbox of outputs made but not yet returned, and the pool rows they hold. Each step
+it plans the prefill chunks under ``scheduler.prefill_token_budget`` (first come,
+first served, see ``runtime/prefill.py``) and commits or fails what the drivers ran.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+from typing import Sequence
+
+from ..memory.pool import KVPool
+from ..sampling import SamplingParams
+from .request import Request, StepOutput
+from .stats import SpecStats
+
+log = logging.getLogger(__name__)
+
+
+def budget_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request, int]]:
+    """The step's chunks, first come first served: (request, end) for each request that
+    gets one, its chunk the prompt positions ``request.prefilled .. end - 1``; at most
+    ``budget`` positions in all (0: unlimited)."""
+    left = budget or sys.maxsize
+    plan = []
+    for req in prefilling:
+        if left <= 0:
+            break
+        take = min(len(req.prompt) - req.prefilled, left)
+        plan.append((req, req.prefilled + take))
+        left -= take
+    return plan
+
+
+class Scheduler:
+    """Requests from ``add`` to their last output; ``rank``: the tensor-parallel rank
+    (None without a group), where a fault fails every live request (``fail_all``)."""
+
+    def __init__(self, pool: KVPool, stats: SpecStats, prefill_budget: int,
+                 rank: int | None = None):
+        self.pool = pool  # the target pool's rows (the draft pool numbers rows the same)
+        self.stats = stats
+        self.prefill_budget = prefill_budget  # scheduler.prefill_token_budget: 0 = unlimited
+        self.rank = rank
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.num_waiting = 0  # live requests in waiting
+        # by rid in arrival order (dicts keep insertion order): rows held, prompts part done
+        self.prefilling: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}  # by pool row
+        self.live: dict[int, Request] = {}  # by rid: waiting, being prefilled or running
+        self.outbox: list[StepOutput] = []  # made but not yet returned by a step
+        self.broken: str | None = None  # why a tensor-parallel group can no longer run
+        self.next_rid = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.num_waiting or self.prefilling or self.running or self.outbox)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.num_waiting + len(self.prefilling) + len(self.running)
+
+    def add(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int],
+            sampling: SamplingParams) -> int:
+        """Queue a checked request -> its rid (``next_rid`` before the call)."""
+        req = Request(self.next_rid, prompt, max_new_tokens, stop_ids, sampling)
+        self.next_rid += 1
+        self.waiting.append(req)
+        self.live[req.rid] = req
+        self.num_waiting += 1
+        return req.rid
+
+    def abort(self, rid: int) -> bool:
+        """Drop a request: its row goes back at once, its unreturned outputs are dropped."""
+        req = self.live.get(rid)
+        if req is None:
+            return False
+        if req.row:
+            self.release(req)
+        else:  # still waiting: admission skips it
+            del self.live[rid]
+            self.num_waiting -= 1
+            if not self.num_waiting:
+                self.waiting.clear()
+        req.finished = True
+        if self.outbox:
+            self.outbox = [o for o in self.outbox if o.rid != rid]
+        return True
+
+    def take_outputs(self) -> list[StepOutput]:
+        outs, self.outbox = self.outbox, []
+        return outs
+
+    # -- prefill -----------------------------------------------------------------------
+    def plan_prefill(self) -> list[tuple[Request, int]]:
+        """Admit waiting requests while rows and budget last -> the step's chunks."""
+        self.take_waiting()
+        return budget_chunks(list(self.prefilling.values()), self.prefill_budget)
+
+    def take_waiting(self) -> None:
+        """Rows for waiting requests while the pool has rows and the step has budget."""
+        left = self.prefill_budget or sys.maxsize
+        left -= sum(len(r.prompt) - r.prefilled for r in self.prefilling.values())
+        while left > 0 and self.num_waiting and self.pool.free_rows:
+            req = self.waiting.popleft()
+            if req.finished:  # aborted while waiting
+                continue
+            req.row = self.pool.alloc()
+            self.num_waiting -= 1
+            self.prefilling[req.rid] = req
+            left -= len(req.prompt)
+
+    def prefilled(self, plan: list[tuple[Request, int]], bonus: Sequence[int]) -> None:
+        """A step's chunks ran: progress moves; the final chunks' requests run from now,
+        each with its bonus token (``bonus``: the final chunks', in plan order)."""
+        for req, end in plan:
+            req.prefilled = end
+        done = [req for req, end in plan if end == len(req.prompt)]
+        for req, tok in zip(done, bonus):
+            del self.prefilling[req.rid]
+            req.copy = 0
+            self.running[req.row] = req
+            self.commit(req, [tok], [])
+
+    def requeue(self, reqs: list[Request]) -> None:
+        """An interrupt cut a prefill short: back to the head of the queue, rows released,
+        progress dropped (the prefill starts over)."""
+        for req in reversed(reqs):
+            self.prefilling.pop(req.rid)
+            self.pool.release(req.row)
+            req.row, req.prefilled = 0, 0
+            self.waiting.appendleft(req)
+        self.num_waiting += len(reqs)
+
+    # -- commit and failure ---------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        """A request leaves the engine (finished, failed or aborted): its row goes back."""
+        self.running.pop(req.row, None)  # absent while being prefilled
+        self.prefilling.pop(req.rid, None)
+        self.live.pop(req.rid, None)
+        self.pool.release(req.row)
+
+    def commit(self, req: Request, tokens: list[int], drafts: list[int],
+               hold: bool = False, accepted: int | None = None) -> None:
+        """``hold``: the request is in the round in flight, which releases its row."""
+        kept = req.emit(tokens)
+        self.stats.emitted_tokens += len(kept)
+        if req.finished and not hold:
+            self.release(req)
+        self.outbox.append(StepOutput(req.rid, kept, req.finished, drafts, accepted=accepted))
+
+    def fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
+        """A fault in one unit of work: its requests fail, with the error, rows released."""
+        reason = f"{where}: {type(exc).__name__}: {str(exc)[:500]}"
+        log.error("%s; failing requests %s", reason, [r.rid for r in reqs], exc_info=exc)
+        self.stats.faults += 1
+        self.stats.failed_requests += len(reqs)
+        for req in reqs:
+            req.finished = True
+            if req.row:
+                self.release(req)
+            else:  # still waiting (a group failure fails the queue too)
+                self.live.pop(req.rid, None)
+            self.outbox.append(StepOutput(req.rid, [], True, [], error=reason))
+
+    def fail_all(self, reqs: list[Request], exc: Exception, where: str) -> None:
+        """A fault on a tensor-parallel group: the ranks may have run different work (or a
+        rank is gone), so no request can go on. Every live request fails explicitly with
+        the reason (this step returns them), and later steps raise ``ParallelError``."""
+        others = [r for r in self.live.values() if r not in reqs and not r.finished]
+        self.fail(list(reqs) + others, exc, f"{where} (tensor-parallel rank {self.rank})")
+        self.waiting.clear()
+        self.num_waiting = 0
+        self.broken = f"{where}: {type(exc).__name__}: {str(exc)[:300]}"
+
+    def fail_unit(self, unit: list[Request], active: list[Request], exc: Exception,
+                  where: str) -> None:
+        """A fault in ``unit`` (a part of the work of ``active``): its requests fail, or
+        on a tensor-parallel group every live one."""
+        if self.rank is None:
+            self.fail(unit, exc, where)
+        else:
+            self.fail_all(active, exc, where)

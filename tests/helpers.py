@@ -50,7 +50,7 @@ from nextn_graph.runtime.tolerance import (BF16_TOLERANCE, divergence_regret,  #
                                            within_tolerance)
 
 
-# -- CPU stand-ins for torch_npu's updatable kernels (tests/test_fake_npu.py) -------------
+# -- CPU stand-ins for torch_npu's updatable kernels (tests/graph/test_fake_npu.py) -------------
 # Each has the overload name and, up to its length argument, the schema of the real op,
 # which is all torch_npu's graph op handler table looks at (it keys on ``func.__name__``,
 # any namespace): a graph records them and applies updates as it would on an NPU.

@@ -177,7 +177,7 @@ def test_index_topk_bounded_by_c4_entries_of_max_position():
 def test_absurd_model_refused_with_size_in_gib(key, value):
     """A model that cannot be built in this machine's memory is refused before any tensor
     is allocated, with the size in GiB and the key's value (a checkpoint load builds on
-    meta and checks the bytes it will place instead: tests/test_quant.py)."""
+    meta and checks the bytes it will place instead: tests/model/test_quant.py)."""
     cfg = dataclasses.replace(_config(), **{key: value})
     need, ram = model_bytes(cfg), physical_memory_bytes()
     assert ram is not None and need > 100 * ram  # absurd on any machine

@@ -35,7 +35,7 @@ from nextn_graph.runtime.oracle import reference_candidates
 
 from helpers import corpus_prompts, random_prompt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUCKETS = (1, 2, 4)
 # Statistics that must not change when graphs are switched on (forward counts do:
 # a round split into bucket-sized chunks runs one forward per chunk).

@@ -271,7 +271,7 @@ def test_interrupt_in_a_chunk_loses_nothing(engines, trained, model):
 
 @pytest.mark.parametrize("error", [InjectedFault, KeyboardInterrupt])
 def test_faults_schedule_with_a_budget(trained, error):
-    """tests/test_faults.py's schedule (7 requests on a pool of 5, eager) with budget 7, a fault or interrupt at a prefill forward, a prefill readback and
+    """tests/runtime/test_faults.py's schedule (7 requests on a pool of 5, eager) with budget 7, a fault or interrupt at a prefill forward, a prefill readback and
     a verify: the faulted units fail (none on interrupts), the rest equal the oracle."""
     eng = SpecEngine(trained.target, trained.draft, SPEC, PoolConfig(5, 160), None,
                      scheduler=SchedulerConfig(7))
@@ -355,7 +355,7 @@ def _tp_run(group, budget: int):
 
 
 def test_tp2_follows_rank0_chunks():
-    """tp = 2 with budget 16 (eager: the graphs' followers are tests/test_tp_engine.py's):
+    """tp = 2 with budget 16 (eager: the graphs' followers are tests/runtime/test_tp_engine.py's):
     rank 1 replays rank 0's chunks; tokens equal tp = 1."""
     from nextn_graph.parallel.group import TPGroup
     from nextn_graph.launch.ranks import spawn

@@ -27,7 +27,7 @@ from nextn_graph.graph.compile import (CompileBackend, Compiler, dynamo_compiler
 from nextn_graph.graph.emulator import CaptureError
 from nextn_graph.runtime.engine import SpecEngine
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 30)), [40, 41, 42]]
 MAX_NEW = 10
 

@@ -29,7 +29,7 @@ from nextn_graph.runtime.oracle import reference_candidates
 
 from helpers import corpus_prompts, random_prompt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STATS_KEYS = {"rounds", "target_forwards", "nextn_extend_forwards", "nextn_decode_forwards",
               "proposed_drafts", "accepted_drafts", "acceptance_length",
               "draft_acceptance_rate"}

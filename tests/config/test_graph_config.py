@@ -16,7 +16,7 @@ import pytest
 from nextn_graph.config import GRAPH_KINDS, GraphConfig, load_run_config
 from nextn_graph.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "capture_configs").glob("*.yaml"))
 
 BASE = """\

@@ -13,7 +13,7 @@ from nextn_graph.config import (PoolConfig, RunConfig, SpeculativeConfig, load_r
                                 resolve, resolve_speculative)
 from nextn_graph.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "capture_configs").glob("*.yaml"))
 
 GOOD = """\

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from nextn_graph.cli.commands import build_parser, main, make_checkpoint
 from nextn_graph.errors import InputError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

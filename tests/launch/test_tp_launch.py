@@ -17,7 +17,7 @@ from nextn_graph.errors import ConfigError, ParallelError
 from nextn_graph.parallel.group import TPGroup
 from nextn_graph.launch.ranks import spawn
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 ENV["OMP_NUM_THREADS"] = "1"
 PROMPTS = [{"input_ids": [5, 6, 7, 8, 9, 10]}, {"text": "the cat sat"}, {"input_ids": [40] * 30}]

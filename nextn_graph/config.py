@@ -50,6 +50,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHTS_MODES = ("quantized", "dequantized")
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
 GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in round order
+# (what one graph runs, a phase or the fused round, greedy or sampling: graph/kinds.py)
 # graph.round: the round as those phases' graphs (split, as SGLang), or as ONE graph
 # (fused: the phases, acceptance and the commit of the next state; a steady batch also
 # needs no staging). auto: fused where every phase is captured, else split.
@@ -62,31 +63,6 @@ COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "reduce-overhead", "npugrap
 _COMPILE_ON = {"cpu": ("inductor", "aot_eager"),
                "cuda": ("inductor", "aot_eager", "reduce-overhead"),
                "npu": ("auto", "npugraph_ex", "reduce-overhead")}
-
-
-@dataclass(frozen=True)
-class GraphKind:
-    """What one graph runs: ``unit``, a phase of the round (``GRAPH_KINDS``) or the whole
-    fused round (``round``), greedy or, ``sampled``, drawing each request's tokens with
-    its sampling parameters. ``name`` is what records, counters, metrics and reports
-    call it: ``target_verify``, ``round+sampling``."""
-
-    unit: str
-    sampled: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.unit}+sampling" if self.sampled else self.unit
-
-    def variant(self, sampled: bool) -> "GraphKind":
-        return GraphKind(self.unit, sampled)
-
-    def __str__(self) -> str:
-        return self.name
-
-
-PHASES = tuple(GraphKind(k) for k in GRAPH_KINDS)  # a round's phases, in order
-FUSED_ROUND = GraphKind("round")  # the fused round: every phase as one graph
 
 
 @dataclass(frozen=True)

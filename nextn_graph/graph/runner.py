@@ -36,7 +36,7 @@ from ..counters import Counters
 from ..parallel.group import CollectiveCounts
 from ..progress import progress_bar
 from .backends import CaptureRecord, Graph, GraphBackend, timed_capture
-from ..config import GraphKind
+from .kinds import GraphKind
 from ..errors import CaptureError
 from .transfers import HostTransfers, PendingRead
 from .updates import UpdateContext, UpdateRegistry

@@ -8,10 +8,11 @@ give it, one graph per kind and bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from ..config import FUSED_ROUND, PHASES, GraphKind
+from ..graph.kinds import FUSED_ROUND, PHASES, GraphKind
 from . import eagle
 from .buffers import RequestState, RoundBuffers, SamplingTables
 from .eagle import SpecModels
@@ -40,23 +41,27 @@ class DecodeRound:
     fused: bool = False
     sampling: SamplingTables | None = None
 
+    def __post_init__(self) -> None:
+        # computed here, not first inside a traced round (torch.compile)
+        self.phases, self.kinds, self.sampled_kinds  # noqa: B018
+
     @property
     def verify_width(self) -> int:
         """N, the verify window: the buffers' (allocated for ``num_steps``)."""
         return self.bufs.preds.shape[1]
 
-    @property
+    @cached_property  # fixed at build: not rebuilt every round
     def phases(self) -> tuple[GraphKind, ...]:
         """The phases of a round, in order (no rollout below 2 steps, no draft at 0)."""
         return tuple(k for k in PHASES if k.unit != "rollout" or self.num_steps > 1
                      if k.unit != "draft_extend" or self.num_steps > 0)
 
-    @property
+    @cached_property  # fixed at build: not rebuilt every round
     def kinds(self) -> tuple[GraphKind, ...]:
         """What the runner runs (and captures) per round: the phases, or the one round."""
         return (FUSED_ROUND,) if self.fused else self.phases
 
-    @property
+    @cached_property  # fixed at build: not rebuilt every round
     def sampled_kinds(self) -> tuple[GraphKind, ...]:
         """The sampling variants of ``kinds`` (none where the engine does not sample)."""
         return tuple(k.variant(True) for k in self.kinds) if self.sampling else ()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity
 
 from nextn_graph.bench.measure import count_round
-from nextn_graph.config import GraphKind
+from nextn_graph.graph.kinds import GraphKind
 from nextn_graph.graph.backends import CpuBackend
 from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter, ProfilerCounter
 from nextn_graph.graph.runner import GraphRunner, HostTransfers, ReplayCounters

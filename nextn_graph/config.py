@@ -48,6 +48,10 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # How FP8/FP4 checkpoint weights are held: as stored (GEMMs read the stored bits), or
 # expanded to `dtype` at load (small models, debugging). Plain checkpoints: no effect.
 WEIGHTS_MODES = ("quantized", "dequantized")
+# auto: the fused kernels the device has (Triton on CUDA, torch_npu's on Ascend), the
+# reference on a CPU; reference: the exact aten code; triton: the Triton kernels (a CPU
+# runs them under Triton's interpreter, TRITON_INTERPRET=1). See kernels/select.py.
+KERNEL_MODES = ("auto", "reference", "triton")
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
 GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in round order
 # (what one graph runs, a phase or the fused round, greedy or sampling: graph/kinds.py)
@@ -127,6 +131,7 @@ class RunConfig:
     dtype: str = "fp32"  # fp32 | bf16
     device: str = "cpu"  # cpu | cuda | npu
     weights: str = "quantized"  # quantized | dequantized (FP8/FP4 checkpoints)
+    kernels: str = "auto"  # auto | reference | triton: which fused kernels the model runs
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
@@ -140,7 +145,7 @@ class RunConfig:
 
 
 _CHOICES = {"dtype": tuple(TORCH_DTYPES), "device": ("cpu", "cuda", "npu"),
-            "weights": WEIGHTS_MODES,
+            "weights": WEIGHTS_MODES, "kernels": KERNEL_MODES,
             "backend": GRAPH_BACKENDS, "compile_backend": COMPILE_BACKENDS,
             "compile_peer": ("none",) + COMPILE_BACKENDS, "round": ROUND_MODES,
             "overlap": OVERLAP_MODES}

@@ -4,7 +4,11 @@
 
 1. versions (python, torch, CUDA, the GPU);
 2. the CUDA-marked tests (`pytest -m cuda`: graph parity, pinned transfers,
-   side-stream capture, the compile backend on inductor / reduce-overhead);
+   side-stream capture, the compile backend on inductor / reduce-overhead, every fused
+   Triton kernel against its reference and the tiny checkpoint on them);
+2b. `perf/kernel_bench.py`: each fused op against its reference at V4-Flash widths,
+   time and achieved GB/s, in bf16 and fp32 (``--device cpu``: tiny widths under
+   Triton's interpreter);
 3. the replay benchmark on `capture_configs/cuda.yaml` (tiny trained checkpoint),
    with its torch.compile peer (reduce-overhead) unless ``--compile-peer none``;
 4. the `flash-slice` checkpoint written once, then the benchmark on
@@ -42,10 +46,13 @@ def versions() -> dict:
     return out
 
 
-def run(name: str, cmd: list[str], timeout: int) -> dict:
-    """One step in a subprocess: exit code, wall seconds, the output's last lines."""
+def run(name: str, cmd: list[str], timeout: int, interpret: bool = False) -> dict:
+    """One step in a subprocess: exit code, wall seconds, the output's last lines.
+    ``interpret``: Triton kernels under the interpreter (on CPU tensors)."""
     print(f"[device_check] {name}: {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
@@ -70,6 +77,17 @@ def bench(name: str, config: str, out: Path, timeout: int, *extra: str) -> dict:
     return step
 
 
+def kernel_bench(dtype: str, out: Path, cuda: bool) -> dict:
+    json_path = out / f"kernels_{dtype}.json"
+    cmd = [sys.executable, "perf/kernel_bench.py", "--dtype", dtype, "--json", str(json_path)]
+    if not cuda:  # a dry run: tiny widths under the interpreter, a handful of calls
+        cmd += ["--device", "cpu", "--iters", "2", "--repeats", "1"]
+    step = run(f"kernels_{dtype}", cmd, 1200, interpret=not cuda)
+    if step["rc"] == 0 and json_path.is_file():
+        step["report"] = json.loads(json_path.read_text())
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("device_check_out"))
@@ -79,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-peer", default=None,
                     help="override the configs' bench.compile_peer (none: skip the torch.compile "
                          "peer, whose inductor compiles take minutes)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "bench", "flash"),
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=("tests", "kernels", "bench", "flash"),
                     help="steps to leave out (e.g. flash where the host RAM is short)")
     args = ap.parse_args(argv)
     out = args.out.resolve()
@@ -94,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         marker = "cuda" if cuda else "not slow"
         steps["tests"] = run("tests", [sys.executable, "-m", "pytest", "-q", "-m", marker,
                                        "-p", "no:cacheprovider"], 1800)
+    if "kernels" not in args.skip:
+        for dtype in ("bf16", "fp32"):
+            steps[f"kernels_{dtype}"] = kernel_bench(dtype, out, cuda)
     if "bench" not in args.skip:
         config = "capture_configs/cuda.yaml" if cuda else "capture_configs/cpu_default.yaml"
         steps["bench"] = bench("bench", config, out, 1800, *timed)

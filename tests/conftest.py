@@ -7,10 +7,18 @@ shared between tests: each test makes its own with ``tiny.target_pool`` or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels (``kernels: triton``) run on CPU tensors under Triton's
+# interpreter, chosen when a kernel is decorated: before any kernel module is imported.
+# With one they run compiled (the CUDA-marked tests); TRITON_INTERPRET=1 in the
+# environment runs the interpreter tests there too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nextn_graph.checkpoint import load_checkpoint, random_models
 from nextn_graph.model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig

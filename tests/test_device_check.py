@@ -20,7 +20,11 @@ def test_device_check_dry_run_writes_one_json(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["versions"]["torch"] and report["device"] == "cpu"
     bench = report["steps"]["bench"]
-    assert bench["rc"] == 0 and set(report["steps"]) == {"bench"}
+    assert bench["rc"] == 0 and set(report["steps"]) == {"bench", "kernels_bf16", "kernels_fp32"}
+    for dtype in ("bf16", "fp32"):  # every fused op ran against its reference
+        kernels = report["steps"][f"kernels_{dtype}"]
+        assert kernels["rc"] == 0 and len(kernels["report"]["ops"]) == 10
+        assert all(0 <= op["rel_err"] < 2e-2 for op in kernels["report"]["ops"])
     buckets = bench["report"]["buckets"]
     assert [b["bucket"] for b in buckets] == [1, 2, 4, 8]
     assert all(b["graph"]["submissions_per_round"] == 2 for b in buckets)  # fused rounds

@@ -30,9 +30,11 @@ from torch import nn
 
 from ..config import WEIGHTS_MODES
 from ..errors import CheckpointError, ConfigError
+from ..kernels.select import select_kernels
 from ..memory.pool import physical_memory_bytes
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
 from ..model.config import check_model_fits, config_from_dict
+from ..model.ops import use_kernels
 from ..model.quant import (FP4_VALUES, QuantConfig, QuantLinear, as_bits, check_quant_values,
                            check_scale, dequantize, quant_config, quant_format)
 from ..parallel.group import TPGroup
@@ -93,16 +95,19 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", weights: str = "quantized",
-                    progress: bool = False, tp: TPGroup | None = None) -> LoadedModel:
+                    progress: bool = False, tp: TPGroup | None = None,
+                    kernels: str = "auto") -> LoadedModel:
     """Load target and draft from a checkpoint directory; errors name file and key.
 
     ``weights``: ``quantized`` keeps FP8/FP4 weights as stored (a no-op for a bf16
     checkpoint), ``dequantized`` expands them to ``dtype``. ``progress``: a bar over
-    the shards on stderr. ``tp``: load this rank's shards only.
+    the shards on stderr. ``tp``: load this rank's shards only. ``kernels``: ``auto`` |
+    ``reference`` | ``triton``, the fused kernels both models run (``kernels/select.py``).
     """
     tp = tp if tp is not None else TPGroup.single()
     if weights not in WEIGHTS_MODES:
         raise CheckpointError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
+    kernel_set = select_kernels(kernels, torch.device(device).type)  # before any read
     root = resolve_checkpoint(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory not found")
@@ -135,6 +140,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                                 device, progress)
     for module in (models.target, models.draft):
         module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        use_kernels(module, kernel_set)
     return models
 
 

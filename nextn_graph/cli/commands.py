@@ -33,7 +33,7 @@ from ..parallel.group import TPGroup
 from ..profile import add_profile_options, run_profile
 from ..runtime.engine import SpecEngine
 from .generate import MODES, add_sampling_options, run_generate
-from .serve_options import add_serve_commands, run_serve_command
+from .serve_options import add_kernels_option, add_serve_commands, run_serve_command
 
 SEED_LIMIT = 2**63  # torch generators take a 64-bit seed
 
@@ -83,7 +83,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
     if args.config is None and args.checkpoint is None:
         raise InputError("give --checkpoint DIR or --config YAML")
     cfg = load_run_config(args.config, checkpoint=args.checkpoint, dtype=args.dtype,
-                          device=args.device, weights=args.weights,
+                          device=args.device, weights=args.weights, kernels=args.kernels,
                           pool={"max_context": args.max_context},
                           graph={"backend": args.backend}, parallel={"tp": args.tp})
     _check_device(cfg.device)
@@ -91,7 +91,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _bench_config(args: argparse.Namespace) -> RunConfig:
-    cfg = load_run_config(args.config, checkpoint=args.checkpoint,
+    cfg = load_run_config(args.config, checkpoint=args.checkpoint, kernels=args.kernels,
                           graph={"backend": args.backend},
                           bench={"compile_peer": args.compile_peer}, parallel={"tp": args.tp})
     _check_device(cfg.device)
@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(the command's default)")
     bench.add_argument("--config", help="YAML run config (default: the embedded CPU one)")
     bench.add_argument("--checkpoint", help="override the config's checkpoint")
+    add_kernels_option(bench)
     bench.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                        help="graph backend to compare against eager")
     bench.add_argument("--compile-peer", choices=("none",) + COMPILE_BACKENDS, default=None,
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantized: FP8/FP4 weights stay as stored (the default); "
                           "dequantized: expanded to --dtype at load")
     gen.add_argument("--device", default=None)
+    add_kernels_option(gen)
     gen.add_argument("--backend", choices=GRAPH_BACKENDS, default=None,
                      help="graph backend for --mode spec (overrides the config's graph.backend)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout "

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import argparse
 
+from ..config import KERNEL_MODES
 from ..serve.limits import API_KEY_ENV, ServeSettings
+
+KERNELS_HELP = ("fused kernels (YAML kernels): auto = the device's, reference = the exact aten "
+                "code, triton = the Triton kernels (on a CPU under TRITON_INTERPRET=1)")
+
+
+def add_kernels_option(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default=default, help=KERNELS_HELP)
 
 
 def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
     parser.add_argument("--config", help="YAML run config (default: the embedded CPU one)")
     parser.add_argument("--checkpoint", help="override the config's checkpoint")
+    add_kernels_option(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=_port, default=8000, help="port (0: any free one)")
     parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer "

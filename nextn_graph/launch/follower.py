@@ -83,8 +83,9 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
         if msg.kind == "shutdown":
             return handled
         if msg.kind == "build":
-            spec, pool, graph = msg.payload
-            engine = SpecEngine(models.target, models.draft, spec, pool, graph)
+            spec, pool, graph, kernels = msg.payload
+            engine = SpecEngine(models.target, models.draft, spec, pool, graph,
+                                kernels=kernels)
             if engine.engine_id != msg.engine:
                 raise ParallelError(f"tensor parallelism: rank {group.rank} built engine "
                                     f"{engine.engine_id}, rank 0 engine {msg.engine}")

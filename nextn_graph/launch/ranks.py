@@ -157,6 +157,7 @@ def load_on_ranks(cfg: Any, group: TPGroup, progress: bool = False):
     """Every rank loads its slices of the config's checkpoint, then the ranks check they
     loaded the same thing -> (models, each rank's resident weight bytes by kind)."""
     models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
-                             progress=progress and group.is_driver, tp=group)
+                             progress=progress and group.is_driver, tp=group,
+                             kernels=cfg.kernels)
     per_rank = group.agree(fingerprint(cfg, models.cfg), sharded_bytes(models))
     return models, per_rank

@@ -22,11 +22,11 @@ from ..memory.pool import LayerCache
 from ..parallel.group import TPGroup
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
-from .ops import RMSNorm, RopeTable, apply_rope, mask_bias, rms_norm, sink_attention
+from .ops import RMSNorm, RopeTable, UsesKernels, mask_bias, sink_attention
 from .quant import grouped_linear
 
 
-class Attention(nn.Module):
+class Attention(UsesKernels, nn.Module):
     """Under tensor parallelism a rank holds its heads (``wq_b``, ``attn_sink``) and their
     output groups (``wo_a``, ``wo_b``'s columns); the one K=V head is replicated.
 
@@ -65,18 +65,17 @@ class Attention(nn.Module):
         """x: [T, D] -> (q [T, H, hd], kv [T, hd], qr [T, q_lora]) with RoPE applied."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, H, hd]
-        # q's weightless per-head norm and kv_norm as one RMS over H+1 rows (one eps,
-        # rms_norm_eps), kv_norm's weight on the kv row, one RoPE for all: the same
-        # values as norming and rotating q and kv apart, in fewer kernels
-        heads = rms_norm(torch.cat((q, self.wkv(x).unsqueeze(1)), dim=1), self.kv_norm.eps_tensor)
-        heads[:, -1].mul_(self.kv_norm.weight)
-        heads = apply_rope(heads, rot)  # [T, H+1, hd]
-        return heads[:, :-1], heads[:, -1], qr
+        # q's weightless per-head norm and kv_norm (one eps, rms_norm_eps), kv_norm's
+        # weight on the kv row, one RoPE for all
+        kv_norm = self.kv_norm
+        q, kv = self.kernels.q_kv_norm_rope(q, self.wkv(x), kv_norm.weight, kv_norm.eps,
+                                            kv_norm.eps_tensor, rot)  # [T, H, hd], [T, hd]
+        return q, kv, qr
 
     def _output(self, q, keys, bias, rot) -> torch.Tensor:
         """Attend, undo RoPE, grouped low-rank output: -> [T, D]. H, G: this rank's."""
         o = sink_attention(q, keys, bias, self.attn_sink, self.scale)  # [T, H, hd]
-        o = apply_rope(o, rot, inverse=True)
+        o = self.kernels.rope(o, rot, True)
         t = o.shape[0]
         o = o.view(t, self.n_groups, -1).transpose(0, 1)  # [G, T, H*hd/G]
         o = grouped_linear(self.wo_a, o)  # [G, T, o_rank]: each group's projection

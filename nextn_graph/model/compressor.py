@@ -22,10 +22,10 @@ from ..memory.batch import ForwardPlan
 from ..memory.pool import CompressedCache
 from ..parallel.group import TPGroup
 from .config import ModelConfig
-from .ops import RMSNorm, RopeTable, apply_rope, mask_bias
+from .ops import RMSNorm, RopeTable, UsesKernels, mask_bias
 
 
-class Compressor(nn.Module):
+class Compressor(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
         super().__init__()
         self.ratio = ratio
@@ -83,7 +83,7 @@ class Compressor(nn.Module):
             lambda: mask_bias(ring.valid, x.dtype))  # [K, span]: C4's block -1
         rot = rows.memo((rope, "block_start", self.head_dim), lambda: rope.rotation(
             (rows.batch.positions + 1 - r).clamp(min=0), self.head_dim))
-        entry = apply_rope(self.norm(self._pool(cand, bias)), rot)  # [K, d]
+        entry = self.kernels.rope(self.norm(self._pool(cand, bias)), rot, False)  # [K, d]
         cache.write_entries(entry, rows, r)
 
     def dense(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
@@ -100,7 +100,7 @@ class Compressor(nn.Module):
             cand_pos = starts + torch.arange(self.span, device=x.device) - r
             bias = mask_bias(cand_pos >= 0, x.dtype)  # [nb, span]; block -1 does not exist
         rot = rope.rotation(torch.arange(nb, device=x.device) * r, self.head_dim)
-        return apply_rope(self.norm(self._pool(blocks, bias)), rot)
+        return self.kernels.rope(self.norm(self._pool(blocks, bias)), rot, False)
 
 
 # Tie-breaking of the indexer's top-k (``stable_topk``). ``torch.topk`` leaves the order
@@ -141,7 +141,7 @@ def stable_topk(scores: torch.Tensor, k: int, base: torch.Tensor,
     return key.topk(k, dim=-1).indices
 
 
-class Indexer(nn.Module):
+class Indexer(UsesKernels, nn.Module):
     """Lightning indexer: scores finished C4 entries per query row, keeps the top-k.
 
     Under tensor parallelism a rank scores with its heads (``wq_b``, ``weights_proj``) and
@@ -171,7 +171,7 @@ class Indexer(nn.Module):
         """keys: [T, E, di], rot: ``rotation`` -> scores [T, E] = sum_h relu(q_h . k) * w_h
         * score_scale over all heads."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, di] (local heads)
-        q = apply_rope(q, rot)
+        q = self.kernels.rope(q, rot, False)
         w = self.weights_proj(x)  # [T, Hi]
         relu = torch.bmm(q, keys.transpose(1, 2)).relu()  # [T, Hi, E]
         part = torch.bmm(w.unsqueeze(1), relu).squeeze(1)  # the weighted sum over heads

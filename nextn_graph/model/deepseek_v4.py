@@ -19,8 +19,7 @@ from ..memory.pool import KVPool, PoolLayout
 from ..parallel.group import TPGroup
 from .block import Block
 from .config import ModelConfig
-from .mhc import hc_head
-from .ops import RMSNorm, RopeTables
+from .ops import RMSNorm, RopeTables, UsesKernels
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,16 @@ def add_stream_head(module: nn.Module, cfg: ModelConfig) -> None:
     module.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
-def stream_output(module: nn.Module, cfg: ModelConfig, x: torch.Tensor,
+def hc_collapse(module: UsesKernels, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """The stream head's ``hc_head``: x [T, hc, D] -> [T, D]."""
+    return module.kernels.hc_head(x, module.hc_head_fn, module.hc_head_scale,
+                                  module.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)
+
+
+def stream_output(module: UsesKernels, cfg: ModelConfig, x: torch.Tensor,
                   head: nn.Linear, tp: TPGroup) -> ForwardOutput:
     """hc_head, norm, LM head: x [T, hc, D] -> logits [T, V] and pre_hc_head [T, hc*D]."""
-    collapsed = hc_head(x, module.hc_head_fn, module.hc_head_scale, module.hc_head_base,
-                        cfg.hc_eps, cfg.rms_norm_eps)
-    logits = head(module.norm(collapsed)).float()  # [T, V/tp]: this rank's vocabulary
+    logits = head(module.norm(hc_collapse(module, cfg, x))).float()  # [T, V/tp]: this rank's
     return ForwardOutput(logits=tp.all_gather(logits), hidden=x.flatten(1))
 
 
@@ -71,7 +74,7 @@ class ParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg

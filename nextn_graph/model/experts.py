@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .qgemm import grouped_mm, quant_grouped_mm
+from ..kernels.qgemm import grouped_mm, quant_grouped_mm
 from .quant import QuantLinear
 
 

@@ -18,23 +18,15 @@ replicated, as in DeepSeek-V4's reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.group import TPGroup
 from .config import ModelConfig
 from .experts import stack_projection
+from .ops import UsesKernels
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU of fp32 gate and up projections."""
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
-
-
-class Expert(nn.Module):
+class Expert(UsesKernels, nn.Module):
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
         self.w1 = nn.Linear(dim, inter, bias=False)  # gate
@@ -43,11 +35,10 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = swiglu(self.w1(x).float(), self.w3(x).float(), self.limit)
-        return self.w2(act.to(x.dtype))
+        return self.w2(self.kernels.swiglu(self.w1(x), self.w3(x), self.limit))
 
 
-class Gate(nn.Module):
+class Gate(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool):
         super().__init__()
         self.topk, self.scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
@@ -61,16 +52,14 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
         """x: [T, D] -> (chosen experts [T, k] int64, their weights [T, k] fp32)."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E]
-        if self.hashed:
-            chosen = self.tid2eid[input_ids]  # [T, k]
-        else:  # the bias steers selection only; weights use the raw scores
-            chosen = (scores + self.bias.float()).topk(self.topk, dim=-1).indices
-        weights = scores.gather(1, chosen)
-        return chosen, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+        # the hash layers route by token id; the others by biased top-k (the bias steers
+        # selection only; weights use the raw scores)
+        chosen = self.tid2eid[input_ids] if self.hashed else None  # [T, k]
+        return self.kernels.moe_gate(x, self.weight, None if self.hashed else self.bias,
+                                     chosen, self.topk, self.scale)
 
 
-class MoE(nn.Module):
+class MoE(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig, hashed: bool, tp: TPGroup):
         super().__init__()
         self.tp = tp
@@ -106,21 +95,13 @@ class MoE(nn.Module):
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts over the T*k assignments -> [T, D] fp32."""
-        t, k = chosen.shape
-        n = len(self.local)
-        key = chosen.flatten()  # [A] expert of each assignment
-        if self.tp.parallel:  # another rank's experts sort last, outside every group
-            key = key - self.local.start
-            key = torch.where((key >= 0) & (key < n), key, n)
-        key, order = key.sort(stable=True)  # [A]: by expert
-        groups = torch.arange(n, device=x.device)
-        offs = torch.searchsorted(key, groups, right=True, out_int32=True)  # [n] group ends
+        k, n, kern = chosen.shape[1], len(self.local), self.kernels
+        # [A] by expert, [n] int32 group ends; another rank's experts sort last, outside
+        # every group
+        order, offs, aux = kern.moe_route(chosen, n, self.local.start, self.tp.parallel)
         xs = x[order // k]  # [A, D] each assignment's row
         s = self.stacks
-        act = swiglu(s["w1"](xs, offs).float(), s["w3"](xs, offs).float(), self.limit)
-        ys = s["w2"](act.to(x.dtype), offs).float()  # [A, D]; rows past offs[-1] undefined
-        ys = ys * weights.flatten()[order].unsqueeze(1)
-        if self.tp.parallel:  # (NaN-safe: the undefined rows are replaced, not scaled)
-            ys = torch.where((key < n).unsqueeze(1), ys, 0.0)
-        y = torch.empty_like(ys).index_copy_(0, order, ys)  # back in (row, top-k) order
-        return y.view(t, k, -1).sum(dim=1)
+        act = kern.swiglu(s["w1"](xs, offs), s["w3"](xs, offs), self.limit)
+        ys = s["w2"](act, offs)  # [A, D]; rows past offs[-1] undefined
+        return kern.moe_combine(ys, order, aux, weights, offs, n,
+                                self.tp.parallel)  # [T, D] fp32

@@ -12,11 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.select import REFERENCE, Kernels
 from ..memory.batch import ForwardPlan
 from .config import ModelConfig
 
 
-class RMSNorm(nn.Module):
+class UsesKernels:
+    """A module whose forward calls fused ops through ``self.kernels`` (the reference set
+    until ``use_kernels`` gives its model another)."""
+
+    kernels: Kernels = REFERENCE
+
+
+def use_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Give every kernel-using module of ``model`` the set ``kernels``."""
+    for module in model.modules():
+        if isinstance(module, UsesKernels):
+            module.kernels = kernels
+
+
+def kernels_of(model: nn.Module) -> Kernels:
+    """The set a model runs (one for all its modules: ``use_kernels``)."""
+    sets = {m.kernels.name: m.kernels for m in model.modules() if isinstance(m, UsesKernels)}
+    if len(sets) != 1:
+        raise ValueError(f"a model runs one kernel set, this one mixes {sorted(sets)}")
+    return next(iter(sets.values()))
+
+
+class RMSNorm(UsesKernels, nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -27,17 +50,7 @@ class RMSNorm(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps_tensor) * self.weight
-
-
-def rms_norm(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Weightless RMS norm over the last dim: ``x * rsqrt(mean(x^2) + eps)``, three
-    kernels: the mean of squares plus ``eps`` (a one-element tensor, e.g. an
-    ``RMSNorm.eps_tensor``) is one ``baddbmm`` of each row with itself."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, 1, d)  # [N, 1, d]
-    ms = torch.baddbmm(eps.to(x.dtype), rows, rows.transpose(1, 2), alpha=1.0 / d)  # [N, 1, 1]
-    return x * torch.rsqrt(ms).view(*x.shape[:-1], 1)
+        return self.kernels.rms_norm(x, self.weight, self.eps, self.eps_tensor)
 
 
 def _yarn_inv_freq(dim: int, base: float, cfg: ModelConfig) -> torch.Tensor:
@@ -113,23 +126,6 @@ class RopeTables(nn.Module):
 
     def for_ratio(self, ratio: int) -> RopeTable:
         return self.compressed if ratio else self.swa
-
-
-def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` by ``rot`` (``RopeTable.rotation``): two kernels,
-    a multiply and a sum over each pair, for the whole width (no slice / stack / cat).
-
-    x: [T, ..., d]; rot: [T, d/2, 2, 2] (broadcast over the middle dims). Each output is
-    ``x0*cos - x1*sin`` / ``x0*sin + x1*cos`` computed as before (a two-term sum), so the
-    result equals the slice-and-stack rotation bitwise, up to the sign of zeros.
-    ``inverse``: rotate back (the transposed rotation).
-    """
-    if inverse:
-        rot = rot.transpose(-1, -2)
-    for _ in range(x.dim() - 2):  # broadcast over the middle (head) dims
-        rot = rot.unsqueeze(1)
-    pairs = x.unflatten(-1, (-1, 2)).unsqueeze(-1)  # [T, ..., d/2, 2 (in), 1]
-    return (pairs * rot).sum(dim=-2).flatten(-2)  # [T, ..., d]
 
 
 def mask_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

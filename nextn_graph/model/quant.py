@@ -8,7 +8,7 @@ exponent byte, 2^(b - 127)), or fp32 in some exports. weight = value x its block
 
 ``QuantLinear`` holds the stored bits (``uint8``; fp32 scales as ``int32`` bits) so
 that no ``Module.to(dtype)`` can cast them; its forward is one ``quant_linear`` kernel
-(``model.qgemm``) that dequantizes inside the op, with pure tensor ops: correct on
+(``kernels.qgemm``) that dequantizes inside the op, with pure tensor ops: correct on
 every device and inside every graph backend. The dequantized weight is exact in fp32 and in
 bf16 (an e4m3 or e2m1 value times a power of two fits both), so a quantized model
 and the same checkpoint dequantized at load give identical logits.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, show_value
-from .qgemm import (FP4_BLOCK, FP8_BLOCK, dequantize,  # noqa: F401 (re-exported)
+from ..kernels.qgemm import (FP4_BLOCK, FP8_BLOCK, dequantize,  # noqa: F401 (re-exported)
                     quant_bmm, quant_linear)
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -130,7 +130,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One ``quant_linear`` kernel: the stored bits are read, never expanded in memory
-        outside it (``model.qgemm``)."""
+        outside it (``kernels.qgemm``)."""
         return quant_linear(x, self.weight, self.scale, self.fp4_values, self.fmt,
                             self.in_features)
 

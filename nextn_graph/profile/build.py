@@ -17,9 +17,11 @@ import torch
 from ..checkpoint.loader import LoadedModel, _swap_linear, build_models, expected_state
 from ..checkpoint.save import _FP4_KEY, _FP8_KEY
 from ..config import MAX_NUM_STEPS, WEIGHTS_MODES
-from ..errors import InputError
+from ..errors import ConfigError, InputError
+from ..kernels.select import REFERENCE, Kernels, projected_kernels
 from ..memory.pool import PoolLayout
 from ..model import ModelConfig
+from ..model.ops import use_kernels
 from ..runtime.buffers import RequestState, RoundBuffers
 from ..runtime.eagle import SpecModels
 from ..runtime.round import DecodeRound
@@ -38,6 +40,7 @@ class ProfileSettings:
     weights: str = "dequantized"  # or "quantized": the release's FP8 / FP4 linears
     dtype: torch.dtype = torch.bfloat16  # the model's and the pools' dtype
     device_spec: str = "h200"  # see specs.DEVICE_SPECS
+    kernels: str = "auto"  # auto | reference | triton: the set the spec's device would run
 
     @property
     def verify_width(self) -> int:
@@ -63,7 +66,10 @@ def check_settings(cfg: ModelConfig, st: ProfileSettings) -> None:
     if st.dtype not in DTYPE_NAMES:
         raise InputError(f"profile: dtype {st.dtype} must be one of "
                          f"{sorted(DTYPE_NAMES.values())}")
-    device_spec(st.device_spec)
+    try:
+        projected_kernels(st.kernels, device_spec(st.device_spec).backend)
+    except ConfigError as exc:
+        raise InputError(f"profile: {exc}") from None
 
 
 def build_config(cfg: ModelConfig, max_context: int) -> ModelConfig:
@@ -91,11 +97,11 @@ def quantized_plan(models: LoadedModel) -> dict[str, str]:
 
 
 def profile_models(cfg: ModelConfig, weights: str, dtype: torch.dtype,
-                   device: str = "meta") -> LoadedModel:
+                   device: str = "meta", kernels: Kernels = REFERENCE) -> LoadedModel:
     """Target and draft in ``dtype`` on ``device`` (``meta``: no memory; a real device
     only to check the count, with uninitialised weights). ``weights="quantized"`` swaps
     the release's FP8 / FP4 linears into ``QuantLinear`` as the loader does (e8m0
-    scales)."""
+    scales). ``kernels``: the set both models run."""
     with torch.device(device):
         models = build_models(cfg)  # refuses a model the host cannot hold, unless on meta
         if weights == "quantized":
@@ -105,6 +111,7 @@ def profile_models(cfg: ModelConfig, weights: str, dtype: torch.dtype,
         # host-built tables (RoPE, the FP4 values) move to the device too; modules that
         # keep derived tensors (stacked experts) rebuild them in their _apply
         module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        use_kernels(module, kernels)
     return models
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..checkpoint.loader import resolve_checkpoint
 from ..checkpoint.presets import PRESETS, preset_config
-from ..config import WEIGHTS_MODES, load_run_config
+from ..config import KERNEL_MODES, WEIGHTS_MODES, load_run_config
 from ..errors import InputError
 from ..model.config import load_config
 from .build import ProfileSettings
@@ -43,6 +43,10 @@ def add_profile_options(parser: argparse.ArgumentParser, positive: Callable,
                              "release's FP8 linears and FP4 routed experts")
     parser.add_argument("--device-spec", choices=sorted(DEVICE_SPECS), default="h200",
                         help="the device the roofline projection is for")
+    parser.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
+                        help="the kernel set counted: auto (what the spec's device runs: the "
+                             "fused Triton kernels on h200, the reference on 910b), reference "
+                             "(the exact aten code), triton")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--top", type=non_negative, default=10,
                         help="ops listed by projected time (default 10)")
@@ -76,7 +80,7 @@ def profile_settings(args: argparse.Namespace, max_position_embeddings: int,
         bucket=pick("bucket", 1), num_steps=pick("num_steps", 3),
         max_requests=pick("max_requests", DEFAULT_MAX_REQUESTS),
         max_context=pick("max_context", min(DEFAULT_MAX_CONTEXT, max_position_embeddings)),
-        weights=args.weights, device_spec=args.device_spec)
+        weights=args.weights, device_spec=args.device_spec, kernels=args.kernels)
     if st.bucket > st.max_requests:
         raise InputError(f"profile: --bucket {st.bucket} exceeds max_requests "
                          f"{st.max_requests} (the pool's request rows; see --max-requests)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from ..kernels.registry import launches
 from .counting import PhasedMode, launches_kernel
 from .flops import Flops, flop_rule
 from .kinds import KindResolver
@@ -25,6 +26,7 @@ class OpRule:
 
     schema: OpSchema
     kernel: bool  # launches a kernel (not a pure view)
+    launches: int  # kernels one call launches (a fused op may launch several)
     traffic: Traffic
     flops: Flops | None  # None: not a matmul-class op
     memo: bool  # outputs may be rebuilt from metadata (see memo.py)
@@ -32,23 +34,33 @@ class OpRule:
     @staticmethod
     def of(func) -> "OpRule":
         schema = OpSchema.of(func)
-        return OpRule(schema, launches_kernel(func), traffic_rule(schema), flop_rule(func),
-                      can_remember(func))
+        return OpRule(schema, launches_kernel(func), launches(func.name()),
+                      traffic_rule(schema), flop_rule(func), can_remember(func))
 
 
 class WorkCounter(PhasedMode):
-    """``memo``: rebuild repeated meta outputs from metadata (meta tensors only)."""
+    """``memo``: rebuild repeated meta outputs from metadata (meta tensors only).
+    ``decompose``: ops the profiled device has no kernel for, each with the function it
+    runs instead; that function's ops are counted (``kernels.registry``)."""
 
-    def __init__(self, kinds: KindResolver, memo: bool = False):
+    def __init__(self, kinds: KindResolver, memo: bool = False,
+                 decompose: dict | None = None):
         super().__init__()
         self.kinds = kinds
-        # (phase, kind, op, read, written, flops) -> kernels
+        self.decompose = decompose or {}
+        # op -> kernels one call launches, for the fused ops that launch more than one
+        self.launches: dict[str, int] = {}
+        # (phase, kind, op, read, written, flops) -> calls (kernels: times ``launches``)
         self.work: dict[tuple[str, str, str, int, int, int], int] = {}
         self.memo = MetaMemo() if memo else None
         self._rules: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        decomposed = self.decompose.get(func)
+        if decomposed is not None:  # what the device runs instead, counted op by op
+            with self:
+                return decomposed(*args, **kwargs)
         rule = self._rules.get(func)
         if rule is None:
             rule = self._rules[func] = OpRule.of(func)
@@ -62,14 +74,16 @@ class WorkCounter(PhasedMode):
             kind = self.kinds.of_frame(sys._getframe(1))
             key = (self._phase, kind, rule.schema.name, read, written, flops)
             self.work[key] = self.work.get(key, 0) + 1
+            if rule.launches > 1:
+                self.launches[rule.schema.name] = rule.launches
         return out
 
     @property
     def kernels(self) -> int:
-        return sum(self.work.values())
+        return sum(self.per_phase().values())
 
     def per_phase(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for (phase, *_), n in self.work.items():
-            out[phase] = out.get(phase, 0) + n
+        for (phase, _, op, *_), n in self.work.items():
+            out[phase] = out.get(phase, 0) + n * self.launches.get(op, 1)
         return out

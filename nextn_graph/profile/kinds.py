@@ -6,7 +6,10 @@ few files on its function (``co_qualname``) as well:
 
 - model/attention.py: attention
 - model/compressor.py: indexer (class ``Indexer``), compressor (the rest)
-- model/mhc.py, model/block.py: mhc (hc_pre / hc_post / hc_head, the layer's glue)
+- kernels/mhc.py (the mHC references), model/block.py: mhc (hc_pre / hc_post / hc_head, the
+  layer's glue); the fused mHC ops are attributed to their callers: block.py (mhc) and
+  deepseek_v4.py's ``hc_collapse`` (mhc: the stream head's ``hc_head``)
+- kernels/ (the other references): defer
 - model/deepseek_v4.py: embed (``ParallelEmbedding``, ``_streams``), head (the rest)
 - model/nextn.py: nextn_fuse (e_proj / h_proj of the NextN input)
 - model/ops.py: norm (``RMSNorm``); its other helpers (RoPE, rms_norm, attention math)
@@ -16,7 +19,7 @@ few files on its function (``co_qualname``) as well:
   ``*.ffn.gate`` moe_gate, ``*.ffn.shared_experts`` moe_shared, ``*.ffn.experts.E`` and
   the MoE itself moe_routed; a frame with no such ``self`` (a helper) defers
 - model/experts.py: moe_routed (the stacked experts' grouped GEMMs)
-- model/quant.py, model/qgemm.py: defer (a quantized linear belongs to its user)
+- model/quant.py: defer (a quantized linear belongs to its user)
 - memory/pool.py, memory/batch.py: kv_cache
 - runtime/eagle.py: bookkeeping (``window_batch``), accept/sampling (the rest: argmax,
   acceptance, select_index)
@@ -42,7 +45,7 @@ from typing import Callable, Iterable
 from torch import nn
 
 OTHER = "other"
-_FOLDERS = ("model", "memory", "runtime", "sampling.py")  # (sampling: one module)
+_FOLDERS = ("model", "kernels", "memory", "runtime", "sampling.py")  # (sampling: one module)
 # A module's path in the model -> the kind of the MoE part it is (model/moe.py frames).
 _MOE_PATHS = ((re.compile(r"(^|\.)ffn\.gate$"), "moe_gate"),
               (re.compile(r"(^|\.)ffn\.shared_experts$"), "moe_shared"),
@@ -59,9 +62,11 @@ def _static_kind(rel: str, qualname: str) -> str | None:
         return "attention"
     if rel == "model/compressor.py":
         return "indexer" if qualname.startswith("Indexer") else "compressor"
-    if rel in ("model/mhc.py", "model/block.py"):
+    if rel in ("kernels/mhc.py", "model/block.py"):
         return "mhc"
     if rel == "model/deepseek_v4.py":
+        if "hc_collapse" in name:  # the stream head's hc_head, reference or fused
+            return "mhc"
         return "embed" if "embed" in name or "_streams" in name else "head"
     if rel == "model/nextn.py":
         return "nextn_fuse"

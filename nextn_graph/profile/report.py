@@ -38,15 +38,20 @@ class Totals:
 
 
 def summarize(work: dict[tuple, int], spec: DeviceSpec, ideal: dict[str, int],
-              phase_order: tuple[str, ...], top: int) -> dict:
-    """``work``: (phase, kind, op, read, written, flops) -> kernels (``WorkCounter``)."""
+              phase_order: tuple[str, ...], top: int,
+              launches: dict[str, int] | None = None) -> dict:
+    """``work``: (phase, kind, op, read, written, flops) -> calls (``WorkCounter``);
+    ``launches``: kernels per call of the ops that launch more than one (each extra
+    kernel is charged the floor; the bytes are the op's inputs and outputs)."""
+    launches = launches or {}
     total = Totals()
     phases = {p: Totals() for p in phase_order}
     kinds: dict[str, Totals] = {}
     ops: dict[tuple[str, str], Totals] = {}
     for (phase, kind, op, read, written, flops), n in work.items():
-        nbytes = read + written
-        figures = (n, n * nbytes, n * flops, n * spec.op_seconds(nbytes, flops))
+        nbytes, k = read + written, launches.get(op, 1)
+        seconds = spec.op_seconds(nbytes, flops) + (k - 1) * spec.floor_s
+        figures = (n * k, n * nbytes, n * flops, n * seconds)
         for acc in (total, phases.setdefault(phase, Totals()), kinds.setdefault(kind, Totals()),
                     ops.setdefault((kind, op), Totals())):
             acc.add(*figures)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from ..kernels.registry import decompositions
+from ..kernels.select import projected_kernels
 from ..model import ModelConfig
 from .build import (DTYPE_NAMES, ProfileSettings, build_config, check_settings, count_round,
                     profile_models, decode_round)
@@ -17,7 +19,10 @@ ORIGINS = ("preset", "checkpoint", "config")  # where a profiled model config ca
 NOTES = (
     "kernels: aten ops that launch a kernel (every dispatched op but pure views, the rule "
     "of the eager submission count), counted on the meta device: the same ops a real "
-    "device runs for these shapes.",
+    "device runs for these shapes. A project op (nextn_graph::) counts as one kernel only "
+    "where the device has a kernel for it in this tree (the fused Triton ops on CUDA, "
+    "torch._grouped_mm in bf16 on CUDA); elsewhere its decomposition is counted, as that "
+    "device runs it (kernels/registry.py): the quantized GEMMs dequantize on every device.",
     "bytes touched: per op, bytes read + written by the rules of nextn_graph.profile."
     "traffic (a tensor's own extent, broadcast dims once; gathers read what they output; "
     "in-place scatters write what they scatter; grouped GEMMs read the groups with rows).",
@@ -45,19 +50,24 @@ def profile_round(cfg: ModelConfig, st: ProfileSettings, source: str, top: int =
     check_settings(cfg, st)
     spec = device_spec(st.device_spec)
     built_cfg = build_config(cfg, st.max_context)
-    models = profile_models(built_cfg, st.weights, st.dtype)
+    kernels = projected_kernels(st.kernels, spec.backend)
+    models = profile_models(built_cfg, st.weights, st.dtype, kernels=kernels)
     rnd = decode_round(models, st)
     built = time.perf_counter()
-    counter = WorkCounter(KindResolver((models.target, models.draft)), memo=True)
+    # an op of the project's with no kernel on the spec's device counts as what it runs
+    counter = WorkCounter(KindResolver((models.target, models.draft)), memo=True,
+                          decompose=decompositions(spec.backend, st.dtype))
     count_round(rnd, st.bucket, counter)
     counted = time.perf_counter()
-    out = summarize(counter.work, spec, ideal_bytes(models, st), [k.name for k in rnd.phases], top)
+    out = summarize(counter.work, spec, ideal_bytes(models, st), [k.name for k in rnd.phases],
+                    top, counter.launches)
     out["forwards"] = phase_forwards(st)
     out["config"] = {
         "source": source, **{k: (origin or {}).get(k) for k in ORIGINS},
         "model": _model_line(cfg), "bucket": st.bucket,
         "num_steps": st.num_steps, "verify_width": st.verify_width, "weights": st.weights,
         "dtype": DTYPE_NAMES[st.dtype], "device_spec": st.device_spec,
+        "kernels": {"setting": st.kernels, "set": kernels.name},
         "pool": {"max_requests": st.max_requests, "max_context": st.max_context},
         "round": "split", "sampling": False, "device": "meta",
         "max_position_embeddings": {"config": cfg.max_position_embeddings,

@@ -29,6 +29,7 @@ class DeviceSpec:
     bandwidth: float  # bytes/s of device memory
     peak_flops: float  # FLOP/s, dense bf16 matmul
     floor_s: float  # least seconds of one kernel in a graph (an assumption)
+    backend: str  # cuda | npu: whose kernels the round runs (``kernels.select``)
 
     def op_seconds(self, nbytes: int, flops: int) -> float:
         """Projected seconds of ONE kernel touching ``nbytes`` and doing ``flops``."""
@@ -48,9 +49,9 @@ class DeviceSpec:
 
 DEVICE_SPECS = {
     "h200": DeviceSpec("h200", "NVIDIA H200 SXM (nominal): 4.8 TB/s HBM3e, 989 TFLOP/s dense "
-                       "BF16, 2 us floor per kernel (assumed)", 4.8e12, 989e12, 2e-6),
+                       "BF16, 2 us floor per kernel (assumed)", 4.8e12, 989e12, 2e-6, "cuda"),
     "910b": DeviceSpec("910b", "Ascend 910B (nominal, 910B3 class): 1.6 TB/s HBM2e, 320 TFLOP/s "
-                       "FP16/BF16, 2 us floor per kernel (assumed)", 1.6e12, 320e12, 2e-6),
+                       "FP16/BF16, 2 us floor per kernel (assumed)", 1.6e12, 320e12, 2e-6, "npu"),
 }
 
 

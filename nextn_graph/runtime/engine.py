@@ -34,12 +34,14 @@ from ..config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, Specu
                       check_pool, check_scheduler, check_section, resolve_graph,
                       resolve_speculative)
 from ..errors import InputError, ParallelError, RequestFailed
+from ..kernels.select import select_kernels
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
 from .generate import (GenerateResult, validate_max_new_tokens, validate_prompt,
                        validate_prompts, validate_stop_ids)
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
+from ..model.ops import use_kernels
 from ..graph.backends import GraphBackend, make_backend
 from ..graph.runner import GraphRunner
 from ..graph.updates import UpdateRegistry
@@ -63,7 +65,8 @@ class SpecEngine:
                  spec: SpeculativeConfig | None, pool: PoolConfig,
                  graph: GraphConfig | None = None,
                  backend: GraphBackend | None = None, updates: UpdateRegistry | None = None,
-                 progress: bool = False, scheduler: SchedulerConfig | None = None):
+                 progress: bool = False, scheduler: SchedulerConfig | None = None,
+                 kernels: str | None = None):
         """Start-up in a fixed order: pools, static state and buffers, then capture.
 
         ``spec`` None decodes plainly (no draft: one target row per request and
@@ -71,7 +74,10 @@ class SpecEngine:
         ``graph`` None runs eagerly; otherwise its backend (or ``backend``, an
         already-built one, e.g. the NPU adapter over a fake namespace) captures the
         phases of every bucket before the first request. ``scheduler`` None: an
-        unlimited prefill budget (every admitted prompt prefilled whole).
+        unlimited prefill budget (every admitted prompt prefilled whole). ``kernels``:
+        ``auto`` | ``reference`` | ``triton`` gives both models that kernel set for their
+        device before capture (``kernels/select.py``); None keeps the set they were loaded
+        with (``load_checkpoint(..., kernels=)``).
         """
         # Configs built in code are checked as strictly as those read from YAML.
         where = "SpecEngine"
@@ -89,7 +95,12 @@ class SpecEngine:
             # Every rank builds the same engine, in the same order: rank 0 says which.
             self.engine_id = self.tp.channel.new_engine_id()
             if self.tp.is_driver:
-                self.tp.channel.send(Message("build", self.engine_id, (spec, pool, graph)))
+                self.tp.channel.send(Message("build", self.engine_id,
+                                             (spec, pool, graph, kernels)))
+        if kernels is not None:  # before anything is built over the models
+            kernel_set = select_kernels(kernels, target.embed.weight.device.type)
+            use_kernels(target, kernel_set)
+            use_kernels(draft, kernel_set)
         if spec is not None:
             spec = resolve_speculative(check_section(spec, where, "speculative."), where)
         self.cfg, self.spec = target.cfg, spec
@@ -133,7 +144,8 @@ class SpecEngine:
     @classmethod
     def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":
         """Load the config's checkpoint on its device and dtype, build and capture."""
-        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights)
+        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
+                                 kernels=cfg.kernels)
         return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                    progress=progress, scheduler=cfg.scheduler)
 

@@ -27,7 +27,8 @@ from .protocol import ModelInfo
 
 def serve_config(args: argparse.Namespace) -> RunConfig:
     pool = {"max_requests": args.max_requests, "max_context": args.max_context}
-    return load_run_config(args.config, checkpoint=args.checkpoint, pool=pool,
+    return load_run_config(args.config, checkpoint=args.checkpoint, kernels=args.kernels,
+                           pool=pool,
                            scheduler={"prefill_token_budget": args.prefill_token_budget})
 
 
@@ -42,7 +43,8 @@ def engine_builder(cfg: RunConfig, name: str | None, plain: bool = False):
     """What the engine thread runs: load, build and capture -> (engine, ModelInfo).
     ``plain``: decode without the draft (``speculative`` None), for comparisons."""
     def build() -> tuple[SpecEngine, ModelInfo]:
-        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights)
+        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
+                                 kernels=cfg.kernels)
         engine = SpecEngine(models.target, models.draft, None if plain else cfg.speculative,
                             cfg.pool, cfg.graph, scheduler=cfg.scheduler)
         root = resolve_checkpoint(cfg.checkpoint)

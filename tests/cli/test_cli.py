@@ -264,3 +264,21 @@ def test_embedding_example_runs():
     assert proc.returncode == 0, proc.stderr[-2000:]
     done = [line for line in proc.stdout.splitlines() if " done: " in line]
     assert len(done) == 3
+
+
+def test_kernels_option(ckpt, tmp_path, capsys, monkeypatch):
+    """``--kernels`` on generate, bench, serve and profile; the reference runs; triton on a
+    CPU without Triton's interpreter is one line naming what to set."""
+    path = _jsonl(tmp_path / "p.jsonl", [{"input_ids": _prompt(5, 1)}])
+    rc = main(_generate(ckpt, path, "--max-new-tokens", "3", "--kernels", "reference", "--json"))
+    assert rc == 0 and json.loads(capsys.readouterr().out)["requests"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _bad(_generate(ckpt, path, "--max-new-tokens", "3", "--kernels", "triton"), capsys,
+         "kernels 'triton'", "TRITON_INTERPRET=1")
+    parser = build_parser()
+    for command in (["bench"], ["serve"], ["profile", "--preset", "tiny"],
+                    _generate(ckpt, path, "--max-new-tokens", "3")):
+        assert parser.parse_args([*command, "--kernels", "triton"]).kernels == "triton"
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--kernels", "fastest"])
+    assert parser.parse_args(["profile", "--preset", "tiny"]).kernels == "auto"

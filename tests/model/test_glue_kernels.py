@@ -17,8 +17,9 @@ import torch
 from nextn_graph.memory.batch import Chunk, ForwardBatch, ForwardPlan
 from nextn_graph.memory.pool import Ring
 from nextn_graph.model.compressor import stable_topk, stable_topk_terms
-from nextn_graph.model.mhc import hc_head, hc_post, hc_pre, sinkhorn
-from nextn_graph.model.ops import RMSNorm, RopeTable, apply_rope, rms_norm
+from nextn_graph.kernels.mhc import hc_head, hc_post, hc_pre, sinkhorn
+from nextn_graph.kernels.norm import apply_rope, rms_norm
+from nextn_graph.model.ops import RMSNorm, RopeTable
 from nextn_graph.checkpoint.presets import preset_config
 
 

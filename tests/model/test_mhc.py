@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn_graph.model.mhc import hc_post, hc_pre, sinkhorn
+from nextn_graph.kernels.mhc import hc_post, hc_pre, sinkhorn
 
 
 def test_sinkhorn_columns_sum_to_one(tiny):

@@ -15,7 +15,7 @@ from nextn_graph.profile.counting import OpCounter
 from nextn_graph.graph.emulator import CpuGraph
 from nextn_graph.model import config_from_dict
 from nextn_graph.model.moe import MoE
-from nextn_graph.model.qgemm import dequantize, grouped_dequant_mm, grouped_mm
+from nextn_graph.kernels.qgemm import dequantize, grouped_dequant_mm, grouped_mm
 from nextn_graph.model.quant import FP4_VALUES, quantize
 from nextn_graph.parallel.group import TPGroup
 from nextn_graph.checkpoint.presets import TINY, preset_config

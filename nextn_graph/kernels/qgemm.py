@@ -22,7 +22,9 @@ and run the very GEMM a dequantized model runs, so ``weights: quantized`` is bit
 ``weights: dequantized``. On the host the grouped op dequantizes only the groups that
 have rows (a CPU kernel may read its own offsets); on a device, where no host read is
 allowed inside a graph, it dequantizes a static ``min(A, G)`` groups: those with rows,
-padded. Fused device kernels are not written here (see the README).
+padded. Fused device kernels are not written here (issue 26): on a device the work profile
+counts each of these ops as the decomposition a device runs (``registry.py``), not as one
+kernel.
 """
 
 from __future__ import annotations
@@ -124,6 +126,12 @@ def _native_grouped(x: Tensor) -> bool:
 @torch.library.custom_op("nextn_graph::quant_linear", mutates_args=())
 def quant_linear(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Tensor, fmt: str,
                  in_features: int) -> Tensor:
+    return dequant_linear(x, weight, scale, fp4_values, fmt, in_features)
+
+
+def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Tensor, fmt: str,
+                   in_features: int) -> Tensor:
+    """``quant_linear``'s body: the whole weight dequantized, then the GEMM."""
     w = dequantize(fmt, weight, scale, weight.shape[0], in_features, fp4_values, x.dtype)
     return F.linear(x, w)
 
@@ -136,6 +144,12 @@ def _(x, weight, scale, fp4_values, fmt, in_features):
 @torch.library.custom_op("nextn_graph::quant_bmm", mutates_args=())
 def quant_bmm(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Tensor, fmt: str,
               in_features: int) -> Tensor:
+    return dequant_bmm(x, weight, scale, fp4_values, fmt, in_features)
+
+
+def dequant_bmm(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Tensor, fmt: str,
+                in_features: int) -> Tensor:
+    """``quant_bmm``'s body."""
     w = dequantize(fmt, weight, scale, weight.shape[1], in_features, fp4_values, x.dtype)
     return torch.bmm(x, w.transpose(1, 2))
 

@@ -48,10 +48,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # How FP8/FP4 checkpoint weights are held: as stored (GEMMs read the stored bits), or
 # expanded to `dtype` at load (small models, debugging). Plain checkpoints: no effect.
 WEIGHTS_MODES = ("quantized", "dequantized")
-# auto: the fused kernels the device has (Triton on CUDA, torch_npu's on Ascend), the
-# reference on a CPU; reference: the exact aten code; triton: the Triton kernels (a CPU
-# runs them under Triton's interpreter, TRITON_INTERPRET=1). See kernels/select.py.
-KERNEL_MODES = ("auto", "reference", "triton")
+KERNEL_MODES = ("auto", "reference", "triton")  # which fused kernels: kernels/select.py
 GRAPH_BACKENDS = ("eager", "cpu", "cuda", "npu", "compile", "torchair")
 GRAPH_KINDS = ("rollout", "target_verify", "draft_extend")  # the phases, in round order
 # (what one graph runs, a phase or the fused round, greedy or sampling: graph/kinds.py)

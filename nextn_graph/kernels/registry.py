@@ -48,7 +48,7 @@ def decompositions(backend: str, dtype: torch.dtype) -> dict[object, Callable]:
         ops.quant_bmm.default: qgemm.dequant_bmm,
         ops.quant_grouped_mm.default: _static_grouped,
     }
-    if not (backend == "cuda" and dtype == torch.bfloat16):
+    if not has_device_kernel("nextn_graph::grouped_mm", backend, dtype):
         out[ops.grouped_mm.default] = qgemm._gathered_mm
     return out
 

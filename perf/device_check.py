@@ -7,8 +7,9 @@
    side-stream capture, the compile backend on inductor / reduce-overhead, every fused
    Triton kernel against its reference and the tiny checkpoint on them);
 2b. `perf/kernel_bench.py`: each fused op against its reference at V4-Flash widths,
-   time and achieved GB/s, in bf16 and fp32 (``--device cpu``: tiny widths under
-   Triton's interpreter);
+   time and achieved GB/s, in bf16 and fp32: part 1's glue, the quantized GEMMs on the
+   stored bits, sparse attention and the indexer at 4K and 128K cached positions
+   (``--device cpu``: tiny widths under Triton's interpreter);
 3. the replay benchmark on `capture_configs/cuda.yaml` (tiny trained checkpoint),
    with its torch.compile peer (reduce-overhead) unless ``--compile-peer none``;
 4. the `flash-slice` checkpoint written once, then the benchmark on
@@ -81,7 +82,7 @@ def kernel_bench(dtype: str, out: Path, cuda: bool) -> dict:
     json_path = out / f"kernels_{dtype}.json"
     cmd = [sys.executable, "perf/kernel_bench.py", "--dtype", dtype, "--json", str(json_path)]
     if not cuda:  # a dry run: tiny widths under the interpreter, a handful of calls
-        cmd += ["--device", "cpu", "--iters", "2", "--repeats", "1"]
+        cmd += ["--device", "cpu", "--iters", "2", "--repeats", "1", "--rows", "4"]
     step = run(f"kernels_{dtype}", cmd, 1200, interpret=not cuda)
     if step["rc"] == 0 and json_path.is_file():
         step["report"] = json.loads(json_path.read_text())

@@ -3,7 +3,9 @@
     PYTHONPATH=. python3 perf/kernel_bench.py --device cuda [--dtype bf16] [--rows 32]
 
 At DeepSeek-V4-Flash widths (``--widths v4``, default) with T rows (32: a bucket of 8
-verifying 4 tokens), every case of ``nextn_graph/kernels/cases.py`` is checked against
+verifying 4 tokens), every case of ``nextn_graph/kernels/cases.py`` and
+``cases_sparse.py`` (the quantized GEMMs; sparse attention and the indexer at requests of
+``--contexts`` cached positions, 4K and 128K) is checked against
 its reference (``max |fused - reference|`` relative to the reference's largest value)
 and timed: the median of ``--repeats`` runs of ``--iters`` calls, with CUDA events on a
 GPU. GB/s is the fused kernel's unavoidable traffic (inputs read, outputs written) over
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from nextn_graph.kernels.cases import TINY, V4_FLASH, cases
+from nextn_graph.kernels.cases_sparse import SPARSE_CONTEXTS, gemm_cases, sparse_cases
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -76,15 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the device")
+    ap.add_argument("--contexts", default=None,
+                    help="cached positions of the sparse cases, comma-separated (default "
+                         f"{','.join(map(str, SPARSE_CONTEXTS))} on cuda, 256,1024 on cpu)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     widths = {"v4": V4_FLASH, "tiny": TINY}[args.widths or ("v4" if cuda else "tiny")]
     rows = []
-    print(f"{'op':<16} {'rel err':>9} {'fused us':>10} {'ref us':>10} {'speed-up':>9} "
+    print(f"{'op':<22} {'rel err':>9} {'fused us':>10} {'ref us':>10} {'speed-up':>9} "
           f"{'GB/s':>8} {'of peak':>8}")
     with torch.no_grad():
-        for case in cases(args.rows, widths, DTYPES[args.dtype], args.device):
+        dtype, gen = DTYPES[args.dtype], torch.Generator().manual_seed(1)
+        contexts = tuple(int(c) for c in (args.contexts or (
+            ",".join(map(str, SPARSE_CONTEXTS)) if cuda else "256,1024")).split(","))
+        every = (cases(args.rows, widths, dtype, args.device)
+                 + gemm_cases(args.rows, widths, dtype, args.device, gen)
+                 + sparse_cases(args.rows, widths, dtype, args.device, gen, contexts))
+        for case in every:
             err = _error(case.fused(), case.reference())
             fused = _timed(case.fused, args.iters, args.repeats, cuda)
             ref = _timed(case.reference, args.iters, args.repeats, cuda)
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                    "reference_us": ref * 1e6, "speedup": ref / fused, "bytes": case.nbytes,
                    "gb_s": gbs, "of_peak": gbs * 1e9 / args.bandwidth}
             rows.append(row)
-            print(f"{case.name:<16} {err:>9.2e} {fused * 1e6:>10.1f} {ref * 1e6:>10.1f} "
+            print(f"{case.name:<22} {err:>9.2e} {fused * 1e6:>10.1f} {ref * 1e6:>10.1f} "
                   f"{ref / fused:>8.2f}x {gbs:>8.1f} {row['of_peak']:>7.1%}")
     if args.json is not None:
         args.json.write_text(json.dumps({"device": args.device, "dtype": args.dtype,

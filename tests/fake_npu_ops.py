@@ -1,4 +1,5 @@
-"""A CPU stand-in for the torch_npu fused ops that ``nextn_graph/kernels/npu.py`` maps.
+"""A CPU stand-in for the torch_npu fused ops that ``nextn_graph/kernels/npu.py`` maps
+(and ``npu_gemm.py``: ``npu_grouped_matmul``).
 
 Each op is written from torch_npu's documentation (Ascend/op-plugin
 ``docs/zh/custom_APIs/torch_npu/torch_npu-<op>.md``; where the doc's formula is loose, the
@@ -210,6 +211,51 @@ class FakeTorchNpu:
         else:
             y = y + xf
         return y.to(x.dtype)
+
+    # ---- torch_npu.npu_grouped_matmul (torch_npu-npu_grouped_matmul.md) -------------------
+    def npu_grouped_matmul(self, x, weight, *, bias=None, scale=None, offset=None,
+                           antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
+                           group_list=None, activation_input=None, activation_quant_scale=None,
+                           activation_quant_offset=None, split_item=0, group_type=None,
+                           group_list_type=0, act_type=0, output_dtype=None,
+                           tuning_config=None):
+        """The non-quantized m-split "single x, single weight, single y" case (formula 1,
+        no bias): x [[M, K]], weight [[g, K, N]] (a transposed [g, N, K] view allowed),
+        group_list [g] int64 tensor, cumsum (type 0, non-decreasing, last == M) or sizes
+        (type 1, sum == M), split_item 2/3 -> [y [M, N] in x.dtype], y_i = x_i @ weight_i."""
+        self.calls["npu_grouped_matmul"] += 1
+        quant = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                 activation_input, activation_quant_scale, activation_quant_offset)
+        _need(all(a is None for a in quant) and act_type == 0 and tuning_config is None,
+              "npu_grouped_matmul: the fake has the non-quantized case only, no bias")
+        _need(len(x) == 1 and len(weight) == 1 and split_item in (2, 3) and group_type == 0,
+              "npu_grouped_matmul: the fake has single x, weight, y (split_item 2/3, "
+              "group_type 0) only")
+        a, w = x[0], weight[0]
+        _need(a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[1],
+              "npu_grouped_matmul: x [M, K], weight [g, K, N]")
+        _need(a.dtype in _FLOATS and w.dtype == a.dtype and output_dtype in (None, a.dtype),
+              "npu_grouped_matmul: non-quantized x and weight of one float dtype (table 2)")
+        _need(a.is_contiguous(), "npu_grouped_matmul: x does not support transposition")
+        transposed = w.stride(1) == 1 and w.stride(2) == w.shape[1]  # [g, N, K] in memory
+        _need(w.is_contiguous() or transposed, "npu_grouped_matmul: weight strides")
+        inner = w.shape[1] if transposed else w.shape[2]  # K if transposed, else N
+        _need(max(a.shape[1], inner) < 65536, "npu_grouped_matmul: InnerLimit 65536")
+        gl = group_list
+        _need(isinstance(gl, torch.Tensor) and gl.dtype == torch.int64 and gl.dim() == 1
+              and gl.numel() == w.shape[0] <= 1024, "npu_grouped_matmul: group_list [g] "
+              "int64, g <= 1024")
+        _need(group_list_type in (0, 1), "npu_grouped_matmul: the fake has types 0 and 1")
+        ends = gl if group_list_type == 0 else gl.cumsum(0)
+        _need(bool((gl >= 0).all()) and bool((ends[1:] >= ends[:-1]).all())
+              and int(ends[-1]) == a.shape[0], "npu_grouped_matmul: group_list must end at "
+              "x's first dim (cumsum non-negative, non-decreasing)")
+        y = torch.empty(a.shape[0], w.shape[2], dtype=torch.float32)
+        start = 0
+        for g, end in enumerate(ends.tolist()):  # the doc's y_i = x_i @ weight_i
+            y[start:end] = a[start:end].float() @ w[g].float()
+            start = end
+        return [y.to(a.dtype)]
 
 
 def fake_torch_npu(soc: int = A2) -> FakeTorchNpu:

@@ -23,7 +23,8 @@ def test_device_check_dry_run_writes_one_json(tmp_path):
     assert bench["rc"] == 0 and set(report["steps"]) == {"bench", "kernels_bf16", "kernels_fp32"}
     for dtype in ("bf16", "fp32"):  # every fused op ran against its reference
         kernels = report["steps"][f"kernels_{dtype}"]
-        assert kernels["rc"] == 0 and len(kernels["report"]["ops"]) == 10
+        # part 1's 10 ops, 2 quantized GEMMs, 4 sparse cases at each of 2 contexts
+        assert kernels["rc"] == 0 and len(kernels["report"]["ops"]) == 20
         assert all(0 <= op["rel_err"] < 2e-2 for op in kernels["report"]["ops"])
     buckets = bench["report"]["buckets"]
     assert [b["bucket"] for b in buckets] == [1, 2, 4, 8]

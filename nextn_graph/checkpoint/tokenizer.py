@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -55,6 +56,12 @@ class CheckpointTokenizer:
             raise InputError(f"{where}: text {show_value(text, 40)} encodes to no tokens "
                              f"with {self.path}")
         return ids
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (``decode`` leaves them out)."""
+        return frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items()
+                         if t.special)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens left out. Never raises for an id in the

@@ -2,7 +2,10 @@
 
 One module per family of ops: ``mhc`` (hc_pre, hc_post, hc_head), ``norm`` (RMSNorm, the
 attention's q/kv norm with RoPE, RoPE), ``moe`` (the gate, the routing, SwiGLU, the
-weighted combine), ``qgemm`` (grouped and quantized GEMMs). Each holds the reference
+weighted combine), ``qgemm`` (grouped and quantized GEMMs: the references) with ``gemm``
+(their fused forms on the stored bits), ``attention`` (V4's sparse attention over index
+lists), ``indexer`` (the lightning indexer's scores and top-k), ``compress`` (the KV
+compressor's pooling, norm and RoPE). Each holds the reference
 (aten code: the CPU kernels and the oracle, exact) and the fused ops as ``torch.library``
 ops (``triton_op``, so ``torch.compile`` sees inside) with fakes for the ``meta`` device;
 ``triton_<family>`` holds their Triton kernels (Triton is optional: imported when a fused

@@ -21,6 +21,11 @@ lazy import). The mapping, the docs read and why the rest is not mapped are in
   sigmoid only, not sqrt-softplus), ``moe_route`` (npu_moe_init_routing_v2 matches but
   needs int32 ids and gathers x, which our interface leaves to the caller: more kernels
   than the reference's sort), ``hc_head``.
+- ``grouped_mm`` / ``quant_grouped_mm``: ``npu_grouped_matmul`` (``npu_gemm.py``, 3
+  launches; the quantized one after the reference's dequantization of the groups with rows).
+- not mapped: ``quant_linear``, ``quant_bmm`` (no documented op reads FP8 / FP4 weights),
+  and the sparse path (``sparse_attn``, ``index_scores``, ``index_topk``, ``compress_pool``
+  stay None: the docs' ops differ from ours, see ``docs/kernels_npu.md``).
 
 An op is used only on the products its doc lists (``get_soc_version``, read when the set
 is built) and only where torch_npu has it; inside a function, shapes or dtypes its doc
@@ -38,7 +43,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from . import mhc, moe, norm
+from . import mhc, moe, norm, npu_gemm
 from .select import REFERENCE, Kernels
 
 # torch_npu.npu.get_soc_version() ranges (torch_npu csrc/core/npu/NpuVariables.h)
@@ -193,6 +198,7 @@ SUPPORT = {
     "npu_rms_norm": ("A2", "A3"), "npu_rotary_mul": ("A2", "A3"),
     "npu_clipped_swiglu": ("A2", "A3"), "npu_moe_finalize_routing": ("A2",),
     "npu_mhc_pre": ("950",), "npu_mhc_sinkhorn": ("950",), "npu_mhc_post": ("950",),
+    "npu_grouped_matmul": ("A2", "A3"),  # and Atlas inference (310P, fp16 only): not a PRODUCT
 }
 
 
@@ -224,4 +230,8 @@ def npu_kernels(ops) -> Kernels:
     if available(ops, "npu_mhc_post"):
         mapped["hc_post"] = lambda out, residual, post, comb: hc_post(ops, out, residual, post,
                                                                       comb)
+    if available(ops, "npu_grouped_matmul"):
+        mapped["grouped_mm"] = lambda x, weight, offs: npu_gemm.grouped_mm(ops, x, weight, offs)
+        mapped["quant_grouped_mm"] = lambda x, weight, scale, fp4_values, offs, fmt, inp: (
+            npu_gemm.quant_grouped_mm(ops, x, weight, scale, fp4_values, offs, fmt, inp))
     return replace(REFERENCE, name="npu", **mapped)

@@ -22,9 +22,9 @@ and run the very GEMM a dequantized model runs, so ``weights: quantized`` is bit
 ``weights: dequantized``. On the host the grouped op dequantizes only the groups that
 have rows (a CPU kernel may read its own offsets); on a device, where no host read is
 allowed inside a graph, it dequantizes a static ``min(A, G)`` groups: those with rows,
-padded. Fused device kernels are not written here (issue 26): on a device the work profile
-counts each of these ops as the decomposition a device runs (``registry.py``), not as one
-kernel.
+padded. The fused device kernels are ``gemm.py``'s (the ``triton`` set calls them); on a
+device the work profile counts each of these reference ops as the decomposition a device
+runs (``registry.py``), not as one kernel.
 """
 
 from __future__ import annotations
@@ -167,10 +167,12 @@ def quant_grouped_mm(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Tenso
 
 
 def grouped_dequant_mm(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Tensor,
-                       offs: Tensor, fmt: str, in_features: int, static: bool) -> Tensor:
+                       offs: Tensor, fmt: str, in_features: int, static: bool,
+                       mm=None) -> Tensor:
     """``quant_grouped_mm``'s body. ``static``: dequantize ``min(A, G)`` groups, those
     with rows first (ascending), then padding groups with none (no host read: what a
-    graph on a device can hold); else exactly the groups with rows (read on the host)."""
+    graph on a device can hold); else exactly the groups with rows (read on the host).
+    ``mm(x, w, ends)``: the float grouped GEMM run on them (``float_grouped_mm``)."""
     g, out = weight.shape[0], weight.shape[1]
     counts = torch.diff(offs, prepend=offs.new_zeros(1))  # [G] rows per group
     if static:
@@ -182,7 +184,7 @@ def grouped_dequant_mm(x: Tensor, weight: Tensor, scale: Tensor, fp4_values: Ten
     w = dequantize(fmt, weight[active], scale[active], out, in_features, fp4_values, x.dtype)
     # each active group's end; a padding group (no rows) ends where the last one does
     ends = torch.where(counts[active] > 0, offs[active], offs[-1])  # [U]
-    return float_grouped_mm(x, w, ends)
+    return (mm or float_grouped_mm)(x, w, ends)
 
 
 @quant_grouped_mm.register_fake

@@ -8,8 +8,10 @@ decomposition, as that device would run it. Today:
   called only by the ``triton`` kernel set (``select.py``), so on CUDA they count one each;
 - ``grouped_mm`` is ``torch._grouped_mm`` on CUDA in bf16 (sm90 and later: the H200 spec),
   and a gather of one weight per row elsewhere (``_gathered_mm``);
-- the quantized GEMMs have no device kernel yet (issue 26): a device dequantizes the
-  weights it needs (``static``: ``min(A, G)`` experts) and runs the float GEMM.
+- the quantized GEMMs (``quant_linear``, ``quant_bmm``, ``quant_grouped_mm``) are the
+  reference ops: a device dequantizes the weights it needs (``static``: ``min(A, G)``
+  experts) and runs the float GEMM. The ``triton`` set calls the fused forms instead
+  (``fused_*``, ``gemm.py``), which read the stored bits.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from . import qgemm
 # The ops with a Triton kernel (``triton_<family>.py``), called by the ``triton`` set only.
 TRITON_OPS = tuple(f"nextn_graph::{name}" for name in (
     "hc_pre", "hc_post", "hc_head", "rms_norm", "q_kv_norm_rope", "rope", "moe_gate",
-    "moe_route", "swiglu", "moe_combine"))
+    "moe_route", "swiglu", "moe_combine", "fused_grouped_mm", "fused_quant_linear",
+    "fused_quant_bmm", "fused_quant_grouped_mm", "sparse_attn", "index_scores", "index_topk",
+    "compress_pool"))
 # Triton kernels each fused op launches, where more than one (tested against the kernels'
 # own launch hooks): the work profile counts every launch as a kernel.
 LAUNCHES = {"nextn_graph::hc_pre": 2, "nextn_graph::hc_head": 2, "nextn_graph::moe_route": 2}

@@ -23,9 +23,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from ..config import KERNEL_MODES
 from ..errors import ConfigError
-from . import mhc, moe, norm
+from . import attention, compress, gemm, indexer, mhc, moe, norm, qgemm
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,28 @@ class Kernels:
     swiglu: Callable[..., Any]  # (gate [A, I], up [A, I], limit) -> gate.dtype
     # (ys [A, D], order, aux, weights [T, k], offs, n_local, parallel) -> [T, D] fp32
     moe_combine: Callable[..., Any]
+    # GEMMs, ``qgemm.py``'s signatures: (x [A, in], weight [G, out, in], offs [G] int32)
+    grouped_mm: Callable[..., Any]
+    quant_linear: Callable[..., Any]  # (x, weight, scale, fp4_values, fmt, in_features)
+    quant_bmm: Callable[..., Any]  # (x [G, T, in], weight [G, ...], ...) -> [G, T, out]
+    quant_grouped_mm: Callable[..., Any]  # (x, weight, scale, fp4_values, offs, fmt, in)
+    # The sparse path over index lists (``memory/lists.py``); None: the model gathers its
+    # keys and runs the reference attention, indexer and compressor (``model/``).
+    # (q, ring, chunk, swa_idx, swa_count, entries, cmp_idx, cmp_count, sink, scale, ratio)
+    sparse_attn: Callable[..., Any] | None = None
+    index_scores: Callable[..., Any] | None = None  # (q, w, keys, base, count, n) -> [T, n]
+    index_topk: Callable[..., Any] | None = None  # (scores, count, base, k) -> (rows, n)
+    # (ring, chunk, cand_idx, positions, ape, norm_weight, eps, rot, ratio, coff) -> [K, d]
+    compress_pool: Callable[..., Any] | None = None
 
     @property
     def fused(self) -> bool:
         return self.name != "reference"
+
+    @property
+    def sparse(self) -> bool:
+        """Attention, indexer and compressor run over index lists."""
+        return self.sparse_attn is not None
 
 
 def _ref_rms_norm(x, weight, eps, eps_tensor):
@@ -80,7 +100,9 @@ def _ref_combine(ys, order, key, weights, offs, n_local, parallel):
 REFERENCE = Kernels(
     "reference", rms_norm=_ref_rms_norm, q_kv_norm_rope=_ref_q_kv, rope=norm.apply_rope,
     hc_pre=_ref_hc_pre, hc_post=mhc.hc_post, hc_head=mhc.hc_head, moe_gate=moe.gate_reference,
-    moe_route=_ref_route, swiglu=moe.swiglu_reference, moe_combine=_ref_combine)
+    moe_route=_ref_route, swiglu=moe.swiglu_reference, moe_combine=_ref_combine,
+    grouped_mm=qgemm.grouped_mm, quant_linear=qgemm.quant_linear, quant_bmm=qgemm.quant_bmm,
+    quant_grouped_mm=qgemm.quant_grouped_mm)
 
 
 def _fused_rms_norm(x, weight, eps, eps_tensor):
@@ -103,11 +125,25 @@ def _fused_combine(ys, order, pos, weights, offs, n_local, parallel):
     return moe.moe_combine_fused(ys, pos, weights, offs)
 
 
+def _fused_grouped_mm(x, weight, offs):
+    """torch's grouped GEMM where it runs (host, CUDA bf16 from sm90), the Triton one
+    elsewhere; training (autograd) keeps the reference's differentiable loop."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return qgemm.grouped_mm(x, weight, offs)
+    if qgemm._native_grouped(x):
+        return qgemm.float_grouped_mm(x, weight, offs)
+    return gemm.fused_grouped_mm(x, weight, offs)
+
+
 TRITON = Kernels(
     "triton", rms_norm=_fused_rms_norm, q_kv_norm_rope=_fused_q_kv, rope=norm.rope_fused,
     hc_pre=_fused_hc_pre, hc_post=mhc.hc_post_fused, hc_head=mhc.hc_head_fused,
     moe_gate=moe.moe_gate_fused, moe_route=_fused_route, swiglu=moe.swiglu_fused,
-    moe_combine=_fused_combine)
+    moe_combine=_fused_combine, grouped_mm=_fused_grouped_mm,
+    quant_linear=gemm.fused_quant_linear, quant_bmm=gemm.fused_quant_bmm,
+    quant_grouped_mm=gemm.fused_quant_grouped_mm, sparse_attn=attention.sparse_attn,
+    index_scores=indexer.index_scores, index_topk=indexer.index_topk,
+    compress_pool=compress.compress_pool)
 
 
 def triton_importable() -> bool:

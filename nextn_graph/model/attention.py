@@ -9,7 +9,10 @@ undone on the output before the grouped low-rank output projection.
 
 The cached path takes what depends on the batch alone (ring slots, key masks as
 additive biases, RoPE rotations) from the forward's ``ForwardPlan``: computed by
-the first layer that asks, reused by the others.
+the first layer that asks, reused by the others. On a sparse kernel set (``triton``)
+the keys are not gathered: one ``sparse_attn`` kernel reads them by index lists
+(``memory/lists.py``), cached and no-cache paths alike; the reference set keeps the
+gathered path above, bitwise as before.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from torch import nn
 
 from ..memory.batch import ForwardPlan
-from ..memory.pool import LayerCache
+from ..memory.lists import entry_list, sequence_plan, window_list
+from ..memory.pool import LayerCache, Ring
 from ..parallel.group import TPGroup
 from .compressor import Compressor, Indexer
 from .config import ModelConfig
@@ -74,7 +78,10 @@ class Attention(UsesKernels, nn.Module):
 
     def _output(self, q, keys, bias, rot) -> torch.Tensor:
         """Attend, undo RoPE, grouped low-rank output: -> [T, D]. H, G: this rank's."""
-        o = sink_attention(q, keys, bias, self.attn_sink, self.scale)  # [T, H, hd]
+        return self._project_out(sink_attention(q, keys, bias, self.attn_sink, self.scale), rot)
+
+    def _project_out(self, o: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """o [T, H, hd] attended -> [T, D]: RoPE undone, the grouped low-rank output."""
         o = self.kernels.rope(o, rot, True)
         t = o.shape[0]
         o = o.view(t, self.n_groups, -1).transpose(0, 1)  # [G, T, H*hd/G]
@@ -85,7 +92,18 @@ class Attention(UsesKernels, nn.Module):
         y = self.wo_b(o).float()  # [T, D], this rank's groups' part
         return self.tp.all_reduce(y).to(o.dtype)  # summed in fp32, as the reference does
 
+    def _attend(self, q, ring, kv, swa, entries, cmp) -> torch.Tensor:
+        """One sparse-attention kernel over index lists (``memory/lists.py``): swa = the
+        window's (idx, count) over ``ring`` and the forward's ``kv``; cmp = the compressed
+        entries' (rows, count) over ``entries`` (None without) -> [T, H, hd]."""
+        cmp_idx, cmp_count = cmp if cmp is not None else (None, None)
+        return self.kernels.sparse_attn(q, ring, kv, swa[0], swa[1], entries, cmp_idx,
+                                        cmp_count, self.attn_sink, self.scale,
+                                        self.ratio if entries is not None else 0)
+
     def cached(self, x: torch.Tensor, plan: ForwardPlan, cache: LayerCache) -> torch.Tensor:
+        if self.kernels.sparse:
+            return self._cached_lists(x, plan, cache)
         rot = self.rope.at(plan, self.head_dim)
         q, kv, qr = self._project(x, rot)
         keys, ring = cache.swa.gather_recent(kv, plan, self.window)  # [T, W, hd]
@@ -108,8 +126,41 @@ class Attention(UsesKernels, nn.Module):
                 (window_bias, entry_bias), dim=1))  # [T, W + E]
         return self._output(q, torch.cat((keys, entries), dim=1), bias, rot)
 
+    def _cached_lists(self, x: torch.Tensor, plan: ForwardPlan,
+                      cache: LayerCache) -> torch.Tensor:
+        """``cached`` on a sparse kernel set: the kernel reads the ring, the forward's rows
+        and the pool's entries by index; the ring is written after it read."""
+        rot = self.rope.at(plan, self.head_dim)
+        q, kv, qr = self._project(x, rot)
+        swa = window_list(plan, cache.swa, self.window)
+        entries = cmp = None
+        if self.ratio:
+            self.compressor.cached(x, plan, cache.compressed, self.rope)
+            entries = cache.compressed.entries
+            cmp = (self.indexer.selected(x, qr, plan, cache.index, self.rope) if self.ratio == 4
+                   else entry_list(plan, cache.compressed.per_request, self.ratio))
+        o = self._attend(q, cache.swa.data, kv, swa, entries, cmp)
+        cache.swa.write(kv, plan)
+        return self._project_out(o, rot)
+
+    def _dense_lists(self, x: torch.Tensor) -> torch.Tensor:
+        """``dense`` on a sparse kernel set: the same kernels over lists of the sequence's
+        own rows (nothing cached), so the oracle runs what the cached path runs."""
+        plan = sequence_plan(x.shape[0], x.device)
+        rot = self.rope.rotation(plan.batch.positions, self.head_dim)
+        q, kv, qr = self._project(x, rot)
+        swa = window_list(plan, Ring(kv, 1), self.window)  # every key one of kv's rows
+        entries = cmp = None
+        if self.ratio and x.shape[0] >= self.ratio:
+            entries = self.compressor.dense(x, self.rope)  # [nb, hd]
+            cmp = (self.indexer.dense_selected(x, qr, self.rope, plan) if self.ratio == 4
+                   else entry_list(plan, entries.shape[0], self.ratio))
+        return self._project_out(self._attend(q, kv, kv, swa, entries, cmp), rot)
+
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """Whole sequence, no cache (the oracle): x [S, D] -> [S, D]."""
+        if self.kernels.sparse:
+            return self._dense_lists(x)
         s = x.shape[0]
         positions = torch.arange(s, device=x.device)
         rot = self.rope.rotation(positions, self.head_dim)

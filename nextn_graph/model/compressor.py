@@ -10,7 +10,10 @@ Two data paths share the math: ``cached`` (rows of a forward, raw state from a
 per-position ring, entries written to the pool) and ``dense`` (one whole
 sequence, no cache: the oracle). What the cached path derives from the batch
 alone (block closers, ring slots, masks, rotations) comes from the forward's
-``ForwardPlan``, computed once for all layers.
+``ForwardPlan``, computed once for all layers. On a sparse kernel set the pooling,
+norm and RoPE are one ``compress_pool`` kernel reading the candidates by index, and the
+indexer's scoring and top-k are ``index_scores`` / ``index_topk`` over each row's
+finished entries only (``kernels/compress.py``, ``kernels/indexer.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.compress import pool
 from ..memory.batch import ForwardPlan
+from ..memory.lists import candidate_list, entry_base, finished_count
 from ..memory.pool import CompressedCache
 from ..parallel.group import TPGroup
 from .config import ModelConfig
@@ -52,21 +57,14 @@ class Compressor(UsesKernels, nn.Module):
         """cand: [K, span, 2*coff*d], the ``raw`` rows of the span positions ending at
         each row's block end -> pooled [K, d]. bias: [K, span] (-inf: no such position),
         or None where every candidate exists (C128 blocks never start before 0)."""
-        k, d, r = cand.shape[0], self.head_dim, self.ratio
-        if self.coff == 2:  # earlier block: first half-channels; own block: second half
-            # [K, block, r, value|score, half, d]: the half equal to the block, as a view
-            sel = cand.view(k, 2, r, 2, 2, d).diagonal(dim1=1, dim2=4)  # [K, r, 2, d, block]
-            sel = sel.permute(0, 4, 1, 2, 3)  # [K, block, r, value|score, d]
-            ape = self.ape.view(r, 2, d).transpose(0, 1)  # [block (= half), r, d]
-        else:
-            sel = cand.view(k, 1, r, 2, d)
-            ape = self.ape.view(1, r, d)
-        kv, score = sel.unbind(dim=3)  # [K, coff, r, d] each
-        score = score + ape.to(score.dtype)  # candidate j of a block has phase j
-        if bias is not None:
-            score = score + bias.view(k, self.coff, r, 1)
-        weights = score.reshape(k, self.span, d).softmax(dim=1).view(k, self.coff, r, d)
-        return (kv * weights).sum(dim=(1, 2))  # softmax-gated pooling over the span, per channel
+        return pool(cand, bias, self.ape, self.ratio, self.coff)
+
+    def _fused(self, ring: torch.Tensor, raw: torch.Tensor, cand: torch.Tensor,
+               ends: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """A sparse kernel set's one kernel: pooling, norm and RoPE of the candidates
+        ``cand`` [K, span] (rows of ``ring`` or of ``raw``) ending at ``ends`` [K] -> [K, d]."""
+        return self.kernels.compress_pool(ring, raw, cand, ends, self.ape, self.norm.weight,
+                                          self.norm.eps, rot, self.ratio, self.coff)
 
     def cached(self, x: torch.Tensor, plan: ForwardPlan, cache: CompressedCache,
                rope: RopeTable) -> None:
@@ -76,13 +74,19 @@ class Compressor(UsesKernels, nn.Module):
         # Pool only rows that can close a block: a static number K of rows, block
         # closers first, the rest padding (garbage entries, written to slot 0).
         rows = plan.block_closers(r)
+        rot = rows.memo((rope, "block_start", self.head_dim), lambda: rope.rotation(
+            (rows.batch.positions + 1 - r).clamp(min=0), self.head_dim))
+        if self.kernels.sparse:  # the kernel reads the ring before this forward writes it
+            entry = self._fused(cache.raw.data, raw, candidate_list(rows, cache.raw, self.span),
+                                rows.batch.positions, rot)
+            cache.raw.write(raw, plan)
+            cache.write_entries(entry, rows, r)
+            return
         cand, ring = cache.raw.gather_recent(raw, rows, self.span)  # [K, span, 2cd]
         cache.raw.write(raw, plan)
         bias = None if self.coff == 1 else rows.memo(
             ("pool_bias", cache.raw.size, self.span, x.dtype),
             lambda: mask_bias(ring.valid, x.dtype))  # [K, span]: C4's block -1
-        rot = rows.memo((rope, "block_start", self.head_dim), lambda: rope.rotation(
-            (rows.batch.positions + 1 - r).clamp(min=0), self.head_dim))
         entry = self.kernels.rope(self.norm(self._pool(cand, bias)), rot, False)  # [K, d]
         cache.write_entries(entry, rows, r)
 
@@ -90,6 +94,12 @@ class Compressor(UsesKernels, nn.Module):
         """All finished entries of one sequence: x [S, D] -> [S // ratio, d]."""
         s, r = x.shape[0], self.ratio
         nb = s // r
+        if self.kernels.sparse:  # candidates as the sequence's rows; block -1 masked
+            ends = torch.arange(nb, device=x.device) * r + r - 1  # [nb] block ends
+            pos = ends.unsqueeze(1) + torch.arange(1 - self.span, 1, device=x.device)
+            raw = self.raw(x)
+            rot = rope.rotation(ends + 1 - r, self.head_dim)
+            return self._fused(raw, raw, (-1 - pos.clamp(min=0)).to(torch.int32), ends, rot)
         raw = self.raw(x[: nb * r])
         blocks = raw.view(nb, r, raw.shape[-1])  # [nb, r, 2*coff*d]
         bias = None
@@ -176,6 +186,32 @@ class Indexer(UsesKernels, nn.Module):
         relu = torch.bmm(q, keys.transpose(1, 2)).relu()  # [T, Hi, E]
         part = torch.bmm(w.unsqueeze(1), relu).squeeze(1)  # the weighted sum over heads
         return self.tp.all_reduce(part)  # [T, E]: the sum over every rank's heads
+
+    def _select(self, x, qr, rot, keys, base, count, n):
+        """A sparse kernel set's scoring and top-k over the ``count`` [T] finished entries
+        of each row's request (``keys`` rows from ``base`` [T]) -> (rows [T, k] int32, n [T])."""
+        q = self.kernels.rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rot, False)
+        scores = self.kernels.index_scores(q, self.weights_proj(x), keys, base, count, n)
+        scores = self.tp.all_reduce(scores)  # [T, n]: every rank's heads (past count: unread)
+        return self.kernels.index_topk(scores, count, base, min(self.topk, n))
+
+    def selected(self, x, qr, plan: ForwardPlan, cache: CompressedCache,
+                 rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cached`` on a sparse kernel set: -> (pool rows of the chosen entries [T, k]
+        int32, their count [T] int32), in entry order."""
+        self.compressor.cached(x, plan, cache, rope)
+        n = cache.per_request
+        rot = plan.memo((rope, "indexer_query", self.head_dim, self.score_scale),
+                        lambda: self.rotation(rope, plan.batch.positions))
+        return self._select(x, qr, rot, cache.entries, entry_base(plan, n),
+                            finished_count(plan, self.ratio, n), n)
+
+    def dense_selected(self, x, qr, rope: RopeTable, plan: ForwardPlan):
+        """``dense`` on a sparse kernel set (``plan``: ``lists.sequence_plan``)."""
+        keys = self.compressor.dense(x, rope)  # [nb, di]
+        n = keys.shape[0]
+        return self._select(x, qr, self.rotation(rope, plan.batch.positions), keys,
+                            entry_base(plan, n), finished_count(plan, self.ratio, n), n)
 
     def cached(self, x, qr, plan: ForwardPlan, cache: CompressedCache,
                rope: RopeTable) -> torch.Tensor:

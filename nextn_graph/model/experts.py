@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..kernels.qgemm import grouped_mm, quant_grouped_mm
+from ..kernels.select import Kernels
 from .quant import QuantLinear
 
 
@@ -32,13 +32,13 @@ class FloatStack:
     weight: Tensor  # [G, out, in]
     linears: list[nn.Linear]  # their ``weight`` params are views of ``weight``
 
-    def __call__(self, x: Tensor, offs: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, offs: Tensor, kernels: Kernels) -> Tensor:
         """x [A, in] sorted by expert, offs [G] int32 group ends -> [A, out]."""
         weight = self.weight
         if torch.is_grad_enabled() and any(m.weight.requires_grad for m in self.linears):
             # training: a differentiable stack of the parameters (the views' leaves)
             weight = torch.stack([m.weight for m in self.linears])
-        return grouped_mm(x, weight, offs)
+        return kernels.grouped_mm(x, weight, offs)
 
 
 @dataclass
@@ -51,9 +51,9 @@ class QuantStack:
     fmt: str
     in_features: int
 
-    def __call__(self, x: Tensor, offs: Tensor) -> Tensor:
-        return quant_grouped_mm(x, self.weight, self.scale, self.fp4_values, offs, self.fmt,
-                                self.in_features)
+    def __call__(self, x: Tensor, offs: Tensor, kernels: Kernels) -> Tensor:
+        return kernels.quant_grouped_mm(x, self.weight, self.scale, self.fp4_values, offs,
+                                        self.fmt, self.in_features)
 
 
 def stack_projection(linears: list[nn.Module], what: str) -> FloatStack | QuantStack:

@@ -90,7 +90,8 @@ class MoE(UsesKernels, nn.Module):
         """x: [T, D] -> [T, D]: the routed experts' weighted sum, then the shared expert."""
         chosen, weights = self.gate(x, input_ids)  # [T, k] each
         routed = self.tp.all_reduce(self._routed(x, chosen, weights))  # every rank's (fp32)
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+        # one add in fp32 (the bf16 shared output promoted exactly, no copy of its own)
+        return torch.add(routed, self.shared_experts(x)).to(x.dtype)
 
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ class MoE(UsesKernels, nn.Module):
         order, offs, aux = kern.moe_route(chosen, n, self.local.start, self.tp.parallel)
         xs = x[order // k]  # [A, D] each assignment's row
         s = self.stacks
-        act = kern.swiglu(s["w1"](xs, offs), s["w3"](xs, offs), self.limit)
-        ys = s["w2"](act, offs)  # [A, D]; rows past offs[-1] undefined
+        act = kern.swiglu(s["w1"](xs, offs, kern), s["w3"](xs, offs, kern), self.limit)
+        ys = s["w2"](act, offs, kern)  # [A, D]; rows past offs[-1] undefined
         return kern.moe_combine(ys, order, aux, weights, offs, n,
                                 self.tp.parallel)  # [T, D] fp32

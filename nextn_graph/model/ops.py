@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.attention import mask_bias, sink_attention  # noqa: F401 (re-exported)
 from ..kernels.select import REFERENCE, Kernels
 from ..memory.batch import ForwardPlan
 from .config import ModelConfig
@@ -126,22 +127,3 @@ class RopeTables(nn.Module):
 
     def for_ratio(self, ratio: int) -> RopeTable:
         return self.compressed if ratio else self.swa
-
-
-def mask_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where ``valid``, -inf elsewhere: a key mask added to attention scores."""
-    return valid.to(dtype).log()  # log 1 = 0, log 0 = -inf, both exact
-
-
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor,
-                   sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """MQA over a per-row key set with a per-head attention sink in the denominator.
-
-    q: [T, H, d]; keys: [T, K, d] (K = V, one shared head); bias: [T, K], 0 for a key
-    the row attends, -inf for one it does not (``mask_bias``); sink: [H]. Returns
-    [T, H, d]. The scale and the mask are one kernel with the scores (``baddbmm``).
-    """
-    scores = torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=scale)  # [T, H, K]
-    sink_col = sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-    probs = torch.cat((scores, sink_col), dim=-1).softmax(dim=-1)[..., :-1]  # [T, H, K]
-    return torch.bmm(probs, keys)

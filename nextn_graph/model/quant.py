@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError, show_value
-from ..kernels.qgemm import (FP4_BLOCK, FP8_BLOCK, dequantize,  # noqa: F401 (re-exported)
-                    quant_bmm, quant_linear)
+from ..kernels.qgemm import FP4_BLOCK, FP8_BLOCK, dequantize  # noqa: F401 (re-exported)
+from .ops import UsesKernels
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -99,7 +99,7 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(UsesKernels, nn.Module):
     """``y = x @ W.T`` with W kept as stored: FP8 with 128 x 128 block scales, or packed
     FP4 with a scale per 32 inputs. Buffers ``weight`` and ``scale`` are the checkpoint's
     ``.weight`` and ``.scale`` tensors (as bits)."""
@@ -129,10 +129,10 @@ class QuantLinear(nn.Module):
                           self.in_features, self.fp4_values, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One ``quant_linear`` kernel: the stored bits are read, never expanded in memory
-        outside it (``kernels.qgemm``)."""
-        return quant_linear(x, self.weight, self.scale, self.fp4_values, self.fmt,
-                            self.in_features)
+        """One ``quant_linear`` kernel of the model's set: the stored bits are read, never
+        expanded in memory outside it (``kernels.qgemm``, ``kernels.gemm``)."""
+        return self.kernels.quant_linear(x, self.weight, self.scale, self.fp4_values,
+                                         self.fmt, self.in_features)
 
     def extra_repr(self) -> str:
         scale = "fp32" if self.fp32_scale else "e8m0"
@@ -152,7 +152,7 @@ def grouped_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if module.fmt == "fp4" or r % FP8_BLOCK == 0:  # each group owns whole scale rows
         weight = module.weight.view(g, r, -1)
         scale = module.scale.view(g, -1, module.scale.shape[-1])
-        return quant_bmm(x, weight, scale, module.fp4_values, module.fmt, inp)
+        return module.kernels.quant_bmm(x, weight, scale, module.fp4_values, module.fmt, inp)
     w = module.dequantized(x.dtype).view(g, r, inp)  # blocks straddle groups: whole weight
     return torch.bmm(x, w.transpose(1, 2))
 

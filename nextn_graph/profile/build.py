@@ -41,6 +41,9 @@ class ProfileSettings:
     dtype: torch.dtype = torch.bfloat16  # the model's and the pools' dtype
     device_spec: str = "h200"  # see specs.DEVICE_SPECS
     kernels: str = "auto"  # auto | reference | triton: the set the spec's device would run
+    # positions each request has cached, for the ops whose work follows it (None: the
+    # worst case, every index list full; ``lengths.py``)
+    context_len: int | None = None
 
     @property
     def verify_width(self) -> int:
@@ -61,6 +64,10 @@ def check_settings(cfg: ModelConfig, st: ProfileSettings) -> None:
     if st.max_context > cfg.max_position_embeddings:
         raise InputError(f"profile: max_context {st.max_context} exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
+    if st.context_len is not None and not 1 <= st.context_len <= st.max_context - st.verify_width:
+        raise InputError(f"profile: context_len {st.context_len} must lie in [1, max_context "
+                         f"{st.max_context} - verify width {st.verify_width}] (the round "
+                         f"writes its window after it)")
     if st.weights not in WEIGHTS_MODES:
         raise InputError(f"profile: weights {st.weights!r} must be one of {WEIGHTS_MODES}")
     if st.dtype not in DTYPE_NAMES:

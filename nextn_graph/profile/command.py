@@ -36,6 +36,10 @@ def add_profile_options(parser: argparse.ArgumentParser, positive: Callable,
     parser.add_argument("--max-context", type=positive, default=None,
                         help=f"positions per pool row (default {DEFAULT_MAX_CONTEXT} or the "
                              f"model's max_position_embeddings if smaller, or the config's)")
+    parser.add_argument("--context-len", type=positive, default=None,
+                        help="positions each request has cached, for the kernels whose work "
+                             "follows it (sparse attention, the indexer); default: every "
+                             "index list full (the pool's worst case)")
     parser.add_argument("--max-requests", type=positive, default=None,
                         help=f"pool rows (default {DEFAULT_MAX_REQUESTS}, or the config's)")
     parser.add_argument("--weights", choices=WEIGHTS_MODES, default="dequantized",
@@ -80,7 +84,8 @@ def profile_settings(args: argparse.Namespace, max_position_embeddings: int,
         bucket=pick("bucket", 1), num_steps=pick("num_steps", 3),
         max_requests=pick("max_requests", DEFAULT_MAX_REQUESTS),
         max_context=pick("max_context", min(DEFAULT_MAX_CONTEXT, max_position_embeddings)),
-        weights=args.weights, device_spec=args.device_spec, kernels=args.kernels)
+        weights=args.weights, device_spec=args.device_spec, kernels=args.kernels,
+        context_len=args.context_len)
     if st.bucket > st.max_requests:
         raise InputError(f"profile: --bucket {st.bucket} exceeds max_requests "
                          f"{st.max_requests} (the pool's request rows; see --max-requests)")

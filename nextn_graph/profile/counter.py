@@ -16,6 +16,7 @@ from ..kernels.registry import launches
 from .counting import PhasedMode, launches_kernel
 from .flops import Flops, flop_rule
 from .kinds import KindResolver
+from .lengths import length_rule
 from .memo import MetaMemo, can_remember
 from .traffic import OpSchema, Traffic, traffic_rule
 
@@ -32,21 +33,24 @@ class OpRule:
     memo: bool  # outputs may be rebuilt from metadata (see memo.py)
 
     @staticmethod
-    def of(func) -> "OpRule":
+    def of(func, length: int | None) -> "OpRule":
         schema = OpSchema.of(func)
-        return OpRule(schema, launches_kernel(func), launches(func.name()),
-                      traffic_rule(schema), flop_rule(func), can_remember(func))
+        traffic = length_rule(schema.name, length) or traffic_rule(schema)
+        return OpRule(schema, launches_kernel(func), launches(func.name()), traffic,
+                      flop_rule(func), can_remember(func))
 
 
 class WorkCounter(PhasedMode):
     """``memo``: rebuild repeated meta outputs from metadata (meta tensors only).
     ``decompose``: ops the profiled device has no kernel for, each with the function it
-    runs instead; that function's ops are counted (``kernels.registry``)."""
+    runs instead; that function's ops are counted (``kernels.registry``). ``length``: the
+    requests' cached positions, for the ops whose bytes follow it (``lengths.py``)."""
 
     def __init__(self, kinds: KindResolver, memo: bool = False,
-                 decompose: dict | None = None):
+                 decompose: dict | None = None, length: int | None = None):
         super().__init__()
         self.kinds = kinds
+        self.length = length
         self.decompose = decompose or {}
         # op -> kernels one call launches, for the fused ops that launch more than one
         self.launches: dict[str, int] = {}
@@ -63,7 +67,7 @@ class WorkCounter(PhasedMode):
                 return decomposed(*args, **kwargs)
         rule = self._rules.get(func)
         if rule is None:
-            rule = self._rules[func] = OpRule.of(func)
+            rule = self._rules[func] = OpRule.of(func, self.length)
         if self.memo is not None and rule.memo:
             out = self.memo.run(func, args, kwargs)
         else:

@@ -11,7 +11,11 @@ formulas here, one per op:
   scale, ...)``, ``nextn_graph::quant_bmm(x [G, T, in], weight, ...)`` and
   ``nextn_graph::quant_grouped_mm(x, weight, scale, ..., offs, ...)``: 2 x rows x out x
   in = 2 x (output elements) x in, ``in`` the last dim of ``x`` (an FP4 weight stores
-  in/2 bytes per row, so the weight's shape does not give it).
+  in/2 bytes per row, so the weight's shape does not give it); their fused Triton forms
+  (``nextn_graph::fused_*``, ``kernels/gemm.py``) alike.
+- The sparse kernels (``sparse_attn``, ``index_scores``) are not counted: their FLOPs
+  follow the per-row counts the meta device does not have, and at decode they are
+  memory-bound (their bytes are counted by ``lengths.py``).
 - ``aten.mv``: 2 x M x N; ``aten.dot``: 2 x N.
 """
 
@@ -50,6 +54,10 @@ FORMULAS: dict[str, Flops] = {
     "nextn_graph.quant_linear": quant_flops,
     "nextn_graph.quant_bmm": quant_flops,
     "nextn_graph.quant_grouped_mm": quant_flops,
+    "nextn_graph.fused_grouped_mm": quant_flops,
+    "nextn_graph.fused_quant_linear": quant_flops,
+    "nextn_graph.fused_quant_bmm": quant_flops,
+    "nextn_graph.fused_quant_grouped_mm": quant_flops,
     "aten.mv": mv_flops,
     "aten.dot": dot_flops,
 }

@@ -20,7 +20,7 @@ few files on its function (``co_qualname``) as well:
   the MoE itself moe_routed; a frame with no such ``self`` (a helper) defers
 - model/experts.py: moe_routed (the stacked experts' grouped GEMMs)
 - model/quant.py: defer (a quantized linear belongs to its user)
-- memory/pool.py, memory/batch.py: kv_cache
+- memory/pool.py, memory/batch.py, memory/lists.py: kv_cache
 - runtime/eagle.py: bookkeeping (``window_batch``), accept/sampling (the rest: argmax,
   acceptance, select_index)
 - sampling.py: accept/sampling
@@ -74,7 +74,7 @@ def _static_kind(rel: str, qualname: str) -> str | None:
         return "norm" if qualname.startswith("RMSNorm") else None
     if rel == "model/experts.py":
         return "moe_routed"
-    if rel in ("memory/pool.py", "memory/batch.py"):
+    if rel in ("memory/pool.py", "memory/batch.py", "memory/lists.py"):
         return "kv_cache"
     if rel == "runtime/eagle.py":
         return "bookkeeping" if "window_batch" in name else "accept/sampling"

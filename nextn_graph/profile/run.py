@@ -22,12 +22,15 @@ NOTES = (
     "device runs for these shapes. A project op (nextn_graph::) counts as one kernel only "
     "where the device has a kernel for it in this tree (the fused Triton ops on CUDA, "
     "torch._grouped_mm in bf16 on CUDA); elsewhere its decomposition is counted, as that "
-    "device runs it (kernels/registry.py): the quantized GEMMs dequantize on every device.",
+    "device runs it (kernels/registry.py): the reference set's quantized GEMMs dequantize "
+    "on every device, the Triton set's read the stored bits.",
     "bytes touched: per op, bytes read + written by the rules of nextn_graph.profile."
     "traffic (a tensor's own extent, broadcast dims once; gathers read what they output; "
-    "in-place scatters write what they scatter; grouped GEMMs read the groups with rows).",
+    "in-place scatters write what they scatter; grouped GEMMs read the groups with rows); "
+    "the sparse kernels read their index lists up to the counts a request of context_len "
+    "positions has (profile/lengths.py; none given: every list full).",
     "FLOPs: matmul-class only (torch's flop_registry, _grouped_mm and the quantized GEMM "
-    "ops); elementwise FLOPs are not counted.",
+    "ops); elementwise FLOPs and the sparse kernels' are not counted.",
     "ideal: weights read once per forward, routed experts only the min(E, T*k) a forward "
     "can reach, embedding and hash tables only the T rows looked up; KV reads excluded.",
     "projected ms: a roofline PROJECTION, sum over kernels of max(bytes / bandwidth, FLOPs "
@@ -56,7 +59,8 @@ def profile_round(cfg: ModelConfig, st: ProfileSettings, source: str, top: int =
     built = time.perf_counter()
     # an op of the project's with no kernel on the spec's device counts as what it runs
     counter = WorkCounter(KindResolver((models.target, models.draft)), memo=True,
-                          decompose=decompositions(spec.backend, st.dtype))
+                          decompose=decompositions(spec.backend, st.dtype),
+                          length=st.context_len)
     count_round(rnd, st.bucket, counter)
     counted = time.perf_counter()
     out = summarize(counter.work, spec, ideal_bytes(models, st), [k.name for k in rnd.phases],
@@ -69,6 +73,7 @@ def profile_round(cfg: ModelConfig, st: ProfileSettings, source: str, top: int =
         "dtype": DTYPE_NAMES[st.dtype], "device_spec": st.device_spec,
         "kernels": {"setting": st.kernels, "set": kernels.name},
         "pool": {"max_requests": st.max_requests, "max_context": st.max_context},
+        "context_len": st.context_len,
         "round": "split", "sampling": False, "device": "meta",
         "max_position_embeddings": {"config": cfg.max_position_embeddings,
                                     "built": built_cfg.max_position_embeddings},

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's completions and chat completions, models, health, metrics.
+"""The FastAPI app: OpenAI's completions and chat completions, models, health, metrics,
+and vLLM's /tokenize and /detokenize (``tokens``).
 
 Every refusal is an ``APIError`` rendered in OpenAI's error shape (unknown routes and
 unexpected exceptions too: a client never sees a traceback). The engine lives on its
@@ -8,7 +9,6 @@ own thread (``worker``), started with the app and stopped after its last request
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Callable
@@ -20,11 +20,12 @@ from starlette.exceptions import HTTPException
 
 from ..runtime.engine import SpecEngine
 from .errors import APIError
-from .limits import Admission, ServeSettings, check_api_key, read_body
+from .limits import Admission, ServeSettings, check_api_key, read_json
 from .metrics import ServeMetrics
 from .protocol import ModelInfo, parse_request
 from .responses import DONE, Shaper, sse
 from .session import Session
+from .tokens import add_token_routes
 from .worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ def create_app(settings: ServeSettings, build: Callable[[], tuple[SpecEngine, Mo
     async def chat_completions(request: Request):
         return await _generate(state, request, chat=True)
 
+    add_token_routes(app, state)
+
     return app
 
 
@@ -144,12 +147,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     settings = state.settings
     check_api_key(request.headers.get("authorization"), settings.api_key)
     info = state.info()
-    raw = await read_body(request, settings.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # (nesting deeper than the parser goes)
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    req = parse_request(body, info, chat)
+    req = parse_request(await read_json(request, settings.max_body_bytes), info, chat)
     state.admission.enter()
     sess = Session(req, state.worker, state.metrics, info.tokenizer, state.admission.leave,
                    request.is_disconnected)
@@ -177,7 +175,8 @@ async def _events(sess: Session, shaper: Shaper):
         if shaper.chat:
             yield shaper.role_chunk()
         async for piece in sess.pieces():
-            yield shaper.chunk(piece, sess.usage if piece.finish_reason else None)
+            every = piece.finish_reason or sess.req.continuous_usage
+            yield shaper.chunk(piece, sess.usage if every else None)
         if sess.req.include_usage:
             yield shaper.usage_chunk(sess.usage)
         yield DONE

@@ -1,9 +1,10 @@
-"""What a request must pass before it costs anything: the API key, the body size, and
-room in the server (rows in the pool plus a bounded waiting queue)."""
+"""What a request must pass before it costs anything: the API key, the body size (and
+that it is JSON), and room in the server (rows in the pool plus a bounded waiting queue)."""
 
 from __future__ import annotations
 
 import hmac
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,15 @@ async def read_body(request: "Request", limit: int) -> bytes:
             raise too_big
         parts.append(chunk)
     return b"".join(parts)
+
+
+async def read_json(request: "Request", limit: int) -> object:
+    """The body (at most ``limit`` bytes) parsed as JSON; 400 when it is not JSON."""
+    raw = await read_body(request, limit)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # (nesting deeper than the parser goes)
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
 
 
 class Admission:

@@ -1,13 +1,12 @@
 """OpenAI request parsing: a JSON body -> one checked ``GenRequest``, or an ``APIError``
-(400) naming the field. Checked here against what the served model can hold, so a
-request the engine would refuse never reaches the engine thread.
+(400) naming the field, checked against what the served model can hold.
 
-Fields read (others, like ``user`` or ``frequency_penalty``, are ignored as OpenAI
-servers commonly do): ``prompt`` (text, token ids, or a one-element list of either) or
-``messages`` (chat), ``max_tokens`` (chat: also ``max_completion_tokens``),
-``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or up to 4),
-``stream``, ``stream_options.include_usage``, ``n`` (1 only); extensions as vLLM
-spells them: ``stop_token_ids`` and ``return_token_ids`` (token ids in each choice).
+``fields.check_fields`` runs first: an unknown field is refused by name, and so is one
+not implemented unless it holds its default (every field's policy: ``fields.py``). Read
+here: ``prompt`` or ``messages``, ``max_tokens`` (chat: or ``max_completion_tokens``),
+``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``, and vLLM's ``stop_token_ids``, ``ignore_eos``,
+``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from ..errors import InputError, show_value
 from ..sampling import SamplingParams
 from .chat import ChatTemplate
 from .errors import APIError
+from .fields import check_fields
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound
 MAX_STOP_CHARS = 256  # one stop string; the stream holds back this much text at most
@@ -47,9 +47,10 @@ class GenRequest:
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]  # stop strings, matched on the decoded output
-    stop_ids: frozenset[int]  # stop token ids (EOS, and stop_token_ids)
+    stop_ids: frozenset[int]  # stop token ids (EOS unless ignore_eos, and stop_token_ids)
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # every chunk carries the usage so far (with include_usage)
     return_token_ids: bool
     chat: bool
 
@@ -69,6 +70,13 @@ def _int(body: dict, key: str, default, low: int, high: int | None = None):
     return value
 
 
+def _flag(body: dict, key: str, where: str = "") -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool) and value is not None:
+        raise _bad(f"{where}{key} must be true or false, got {show_value(value)}", where + key)
+    return value is True
+
+
 def _number(body: dict, key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
@@ -78,7 +86,7 @@ def _number(body: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _token_ids(value: list, info: ModelInfo, param: str) -> list[int]:
+def checked_ids(value: list, info: ModelInfo, param: str) -> list[int]:
     bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int)
            or not 0 <= t < info.vocab_size]
     if bad:
@@ -87,7 +95,7 @@ def _token_ids(value: list, info: ModelInfo, param: str) -> list[int]:
     return list(value)
 
 
-def _encode(text: str, info: ModelInfo, param: str) -> list[int]:
+def encode_text(text: str, info: ModelInfo, param: str) -> list[int]:
     if info.tokenizer is None:
         raise _bad(f"{param}: a text prompt needs the checkpoint's tokenizer.json, and this "
                    f"checkpoint has none; send token ids instead", param)
@@ -102,16 +110,16 @@ def _prompt(body: dict, info: ModelInfo) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one
     if isinstance(value, str):
-        return _encode(value, info, "prompt")
+        return encode_text(value, info, "prompt")
     if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
-        return _token_ids(value, info, "prompt")
+        return checked_ids(value, info, "prompt")
     if isinstance(value, list) and len(value) > 1:
         raise _bad("prompt: this server takes one prompt per request", "prompt")
     raise _bad(f"prompt must be a non-empty string or list of token ids, got "
                f"{show_value(value)}", "prompt")
 
 
-def _messages(body: dict, info: ModelInfo) -> list[int]:
+def chat_prompt(body: dict, info: ModelInfo) -> list[int]:
     if info.chat is None:
         raise APIError(400, "this model has no chat template (the checkpoint's "
                             "tokenizer_config.json has no 'chat_template'); use "
@@ -122,7 +130,7 @@ def _messages(body: dict, info: ModelInfo) -> list[int]:
             and isinstance(m.get("content"), str) for m in messages):
         raise _bad("messages must be a non-empty list of {role, content} objects with "
                    "string values", "messages")
-    return _encode(info.chat.render(messages), info, "messages")
+    return encode_text(info.chat.render(messages), info, "messages")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -157,12 +165,11 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
     """A JSON body of /v1/completions (``chat`` False) or /v1/chat/completions."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
-    if body.get("n") not in (None, 1):
-        raise _bad("n: this server returns one choice per request", "n")
+    check_fields(body, chat)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string", "model")
-    prompt = _messages(body, info) if chat else _prompt(body, info)
+    prompt = chat_prompt(body, info) if chat else _prompt(body, info)
     room = info.max_context - info.lookahead - len(prompt)
     if room < 1:
         raise _bad(f"the prompt has {len(prompt)} tokens; with {info.lookahead} positions of "
@@ -178,11 +185,13 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list):
         raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-    stop_ids = frozenset([info.eos_token_id, *_token_ids(extra, info, "stop_token_ids")])
-    stream = body.get("stream", False)
+    eos = [] if _flag(body, "ignore_eos") else [info.eos_token_id]
+    stop_ids = frozenset([*eos, *checked_ids(extra, info, "stop_token_ids")])
     options = body.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise _bad("stream must be true or false and stream_options an object", "stream")
-    return GenRequest(prompt, max_tokens, _sampling(body, info), _stop(body), stop_ids, stream,
-                      options.get("include_usage") is True,
-                      body.get("return_token_ids") is True, chat)
+    if not isinstance(options, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    usage = _flag(options, "include_usage", "stream_options.")
+    return GenRequest(prompt, max_tokens, _sampling(body, info), _stop(body), stop_ids,
+                      _flag(body, "stream"), usage, usage and _flag(
+                          options, "continuous_usage_stats", "stream_options."),
+                      _flag(body, "return_token_ids"), chat)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from nextn_graph.kernels import triton_mhc, triton_moe, triton_norm
+from nextn_graph.kernels import (triton_attn, triton_compress, triton_gemm, triton_indexer,
+                                 triton_mhc, triton_moe, triton_norm)
 from nextn_graph.kernels.aot import H200_SHARED_BYTES, build_module
 
 # The kernels each module defines, by name: each must have a build below.
@@ -17,6 +18,10 @@ KERNELS = {
     triton_moe: {"moe_gate_kernel", "moe_route_offs_kernel", "moe_route_pos_kernel",
                  "swiglu_kernel", "moe_combine_kernel"},
     triton_norm: {"rms_norm_kernel", "q_kv_norm_rope_kernel", "rope_kernel"},
+    triton_gemm: {"qgemm_kernel"},
+    triton_attn: {"sparse_attn_kernel"},
+    triton_indexer: {"index_scores_kernel", "index_topk_kernel"},
+    triton_compress: {"compress_pool_kernel"},
 }
 BUILDS = [(module, i, build) for module in KERNELS for i, build in enumerate(module.BUILDS)]
 _built: dict[str, list[dict]] = {}

@@ -21,10 +21,10 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nextn_graph.kernels import mhc
 from nextn_graph.kernels import triton_mhc as tk
+from oplog import OpLog
 from ulp import max_ulps
 
 HC, ITERS, EPS = 4, 20, 1e-6  # both presets' hc_mult, hc_sinkhorn_iters, hc_eps = rms_norm_eps
@@ -239,17 +239,6 @@ def test_gpu_tiles_give_the_interpreted_results(monkeypatch):
 
 # -- launches ----------------------------------------------------------------------------
 
-class _OpLog(TorchDispatchMode):
-    """The ops the dispatcher runs, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[object] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
 
 class _Launches:
     """Counts the launches of triton_mhc's kernels through Triton's own pre-run hooks
@@ -287,7 +276,7 @@ def test_each_op_is_one_op_of_at_most_two_kernels():
          {"hc_project_kernel": 1, "hc_mix_kernel": 1}),
     ]
     for call, op, kernels in calls:
-        with _OpLog() as log, _Launches() as launched:
+        with OpLog() as log, _Launches() as launched:
             call()
         assert log.ops == [op]
         assert dict(launched) == kernels

@@ -5,7 +5,8 @@ tests check the mapping (argument order, layouts, cos/sin tables, index arrangem
 conventions such as comb vs comb^T) against the references, at tiny and
 DeepSeek-V4-Flash widths, fp32 inputs (bf16 for mHC: npu_mhc_* take bf16/fp16 only).
 Nothing here has run on an NPU. Mapped: rms_norm, rope, q_kv_norm_rope, swiglu,
-moe_combine (A2 only), hc_pre and hc_post (Ascend 950 only). Not mapped (the reference
+moe_combine (A2 only), hc_pre and hc_post (Ascend 950 only); grouped_mm and
+quant_grouped_mm (A2, A3) are tested in ``test_kernel_npu_gemm.py``. Not mapped (the reference
 on every product): moe_gate (npu_moe_gating_top_k has softmax / sigmoid scores, no
 sqrt-softplus), moe_route (npu_moe_init_routing_v2 matches but costs more kernels than
 the reference at this interface), hc_head. Tolerances are in ULPs of the output dtype
@@ -30,7 +31,9 @@ from ulp import max_ulps
 PRESETS = ("tiny", "flash-slice")  # tiny widths, DeepSeek-V4-Flash widths
 EPS = 1e-6
 FIELDS = ("rms_norm", "q_kv_norm_rope", "rope", "hc_pre", "hc_post", "hc_head", "moe_gate",
-          "moe_route", "swiglu", "moe_combine")
+          "moe_route", "swiglu", "moe_combine", "grouped_mm", "quant_linear", "quant_bmm",
+          "quant_grouped_mm")
+GEMMS = {"grouped_mm", "quant_grouped_mm"}  # npu_grouped_matmul: A2, A3 (test_kernel_npu_gemm)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -46,8 +49,8 @@ def _rot(cfg, t: int, dim: int, gen: torch.Generator) -> torch.Tensor:
 # ---- the set per product ------------------------------------------------------------
 
 @pytest.mark.parametrize("soc, mapped", [
-    (A2, {"rms_norm", "q_kv_norm_rope", "rope", "swiglu", "moe_combine"}),
-    (A3, {"rms_norm", "q_kv_norm_rope", "rope", "swiglu"}),  # finalize_routing: A2 only
+    (A2, {"rms_norm", "q_kv_norm_rope", "rope", "swiglu", "moe_combine"} | GEMMS),
+    (A3, {"rms_norm", "q_kv_norm_rope", "rope", "swiglu"} | GEMMS),  # finalize_routing: A2
     (ASCEND950, {"hc_pre", "hc_post"}),  # npu_mhc_*: 950 only; the others not listed
     (200, set()),  # Atlas 300I (310P): nothing mapped
 ])
@@ -56,8 +59,9 @@ def test_set_maps_what_the_product_supports(soc, mapped):
     assert kern.name == "npu" and kern.fused
     got = {f for f in FIELDS if getattr(kern, f) is not getattr(REFERENCE, f)}
     assert got == mapped
-    for f in ("moe_gate", "moe_route", "hc_head"):  # never mapped
+    for f in ("moe_gate", "moe_route", "hc_head", "quant_linear", "quant_bmm"):  # never mapped
         assert getattr(kern, f) is getattr(REFERENCE, f)
+    assert not kern.sparse  # the sparse path is not mapped (docs/kernels_npu.md)
 
 
 def test_products_by_soc_version():

@@ -211,7 +211,7 @@ def test_json_has_the_documented_keys(capsys):
     c = out["config"]
     assert (c["preset"], c["bucket"], c["num_steps"], c["weights"], c["device_spec"]) == (
         "tiny", 2, 3, "dequantized", "910b")
-    assert c["pool"] == {"max_requests": 8, "max_context": 64}
+    assert c["pool"] == {"max_requests": 8, "max_context": 64} and c["context_len"] is None
     assert out["device_spec"]["bandwidth"] == DEVICE_SPECS["910b"].bandwidth
 
 
@@ -225,6 +225,7 @@ def test_text_report_labels_the_projection(capsys):
     (["--preset", "nope"], "'nope'"),
     (["--preset", "tiny", "--device-spec", "a100"], "'a100'"),
     (["--preset", "tiny", "--bucket", "0"], "'0'"),
+    (["--preset", "tiny", "--context-len", "0"], "'0'"),
 ])
 def test_bad_options_exit_2_naming_the_value(capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
@@ -237,6 +238,8 @@ def test_bad_options_exit_2_naming_the_value(capsys, argv, needle):
     (["--preset", "tiny", "--bucket", "9"], ("bucket 9", "max_requests 8")),
     (["--preset", "tiny", "--max-context", "4096"], ("max_context 4096", "512")),
     (["--checkpoint", "/no/such/dir"], ("/no/such/dir",)),
+    (["--preset", "tiny", "--max-context", "64", "--context-len", "64"],
+     ("context_len 64", "max_context 64")),
 ])
 def test_bad_values_are_one_line_errors(capsys, argv, needles):
     assert main(["profile", *argv]) == 2

@@ -11,7 +11,7 @@ import pytest
 from nextn_graph.checkpoint.presets import preset_config
 from nextn_graph.errors import InputError
 from nextn_graph.kernels import REFERENCE, TRITON
-from nextn_graph.kernels.registry import decompositions, has_device_kernel
+from nextn_graph.kernels.registry import LAUNCHES, decompositions, has_device_kernel
 from nextn_graph.profile import ProfileSettings, profile_round
 from nextn_graph.profile.build import build_config, count_round, decode_round, profile_models
 from nextn_graph.profile.counter import WorkCounter
@@ -33,15 +33,19 @@ def _counted(st: ProfileSettings, kernels, backend: str = "cuda") -> WorkCounter
 @pytest.mark.parametrize("weights", ["dequantized", "quantized"])
 def test_every_project_op_counted_has_a_kernel_on_the_device(weights):
     """On h200 with the Triton set, each ``nextn_graph`` op left in the count has a device
-    kernel; the quantized GEMMs (no kernel yet) are counted as their decomposition."""
+    kernel: the quantized GEMMs are the fused ones on the stored bits (the reference ops,
+    which have none, would be counted as their decomposition), attention the sparse kernel."""
     st = dataclasses.replace(SMALL, weights=weights)
     counter = _counted(st, TRITON)
     ops = {op.replace(".", "::", 1) for (_, _, op, *_) in counter.work
            if op.startswith("nextn_graph.")}
     assert ops and all(has_device_kernel(op, "cuda", st.dtype) for op in ops), ops
-    assert not any("quant" in op for op in ops)
-    assert counter.launches == {"nextn_graph.hc_pre": 2, "nextn_graph.hc_head": 2,
-                                "nextn_graph.moe_route": 2}
+    assert not any(op.startswith("nextn_graph::quant") for op in ops)
+    assert {"nextn_graph::sparse_attn", "nextn_graph::index_scores", "nextn_graph::index_topk",
+            "nextn_graph::compress_pool"} <= ops
+    assert ("nextn_graph::fused_quant_grouped_mm" in ops) == (weights == "quantized")
+    assert counter.launches == {op.replace("::", "."): n for op, n in LAUNCHES.items()
+                                if op in ops}
 
 
 def test_quantized_gemms_count_their_dequantization():

@@ -1,0 +1,141 @@
+"""Which request fields this server takes: every field of OpenAI's request schemas for
+``/v1/completions`` and ``/v1/chat/completions``, plus the vLLM extensions it knows, each
+with one policy. Nothing is silently ignored:
+
+- ``honoured``: implemented (``protocol.parse_request`` reads and checks it);
+- ``metadata``: accepted, with no effect on what is generated (``why`` says why that is
+  harmless);
+- ``refused``: accepted only while it holds its default or a neutral value (null, or one
+  of ``neutral``); any other value is a 400 naming the field, "not supported by this
+  server (yet)".
+
+A field in no table is a 400 naming it, as OpenAI answers ("Unrecognized request argument
+supplied"). ``check_fields`` runs before anything else reads the body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import show_value
+from .errors import APIError
+
+HONOURED, METADATA, REFUSED = "honoured", "metadata", "refused"
+
+
+@dataclass(frozen=True)
+class Field:
+    policy: str  # honoured | metadata | refused
+    why: str  # what the server does with it, or why it is harmless, or what is missing
+    neutral: tuple = ()  # refused: the values accepted besides null (defaults, no-ops)
+
+
+def _h(why: str) -> Field:
+    return Field(HONOURED, why)
+
+
+def _m(why: str) -> Field:
+    return Field(METADATA, why)
+
+
+def _r(why: str, *neutral) -> Field:
+    return Field(REFUSED, why, neutral)
+
+
+# Fields both endpoints share, with the same meaning and policy.
+_COMMON = {
+    "model": _m("one model is served; the name is checked to be a string, not matched"),
+    "frequency_penalty": _r("penalties are not applied in the round yet", 0),
+    "presence_penalty": _r("penalties are not applied in the round yet", 0),
+    "logit_bias": _r("logit bias is not applied in the round yet", {}),
+    "max_tokens": _h("output length; with the prompt and lookahead within the context"),
+    "n": _r("one choice per request", 1),
+    "seed": _h("seeds the request's sampling stream"),
+    "stop": _h("stop strings, matched on the decoded text"),
+    "stream": _h("server-sent events"),
+    "stream_options": _h("an object; its keys per STREAM_OPTIONS"),
+    "temperature": _h("0 greedy; > 0 samples (an engine built with graph.sampling)"),
+    "top_p": _h("nucleus sampling"),
+    "user": _m("an end-user id for abuse tracking; nothing here is tracked or billed"),
+}
+
+# vLLM's extensions (its spelling): the ones this server implements or refuses by name.
+_EXTENSIONS = {
+    "top_k": _h("top-k sampling (0: off)"),
+    "stop_token_ids": _h("token ids that end the request, besides EOS"),
+    "return_token_ids": _h("each choice carries its token_ids"),
+    "ignore_eos": _h("EOS is not a stop token for the request (it runs to max_tokens)"),
+    "min_tokens": _r("a minimum length is not enforced in the round yet", 0),
+    "min_p": _r("min-p is not applied in the round yet", 0),
+    "repetition_penalty": _r("penalties are not applied in the round yet", 1),
+    "include_stop_str_in_output": _r("the text always ends before the stop string", False),
+    "skip_special_tokens": _r("special tokens are always left out of the text", True),
+    "prompt_logprobs": _r("prompt logprobs are not computed yet"),
+}
+
+COMPLETIONS = {
+    **_COMMON, **_EXTENSIONS,
+    "prompt": _h("text (with the checkpoint's tokenizer), token ids, or a list of one"),
+    "best_of": _r("one candidate per request", 1),
+    "echo": _r("the prompt is not echoed (no prompt logprobs yet)", False),
+    "logprobs": _r("logprobs are not read back from the round yet"),
+    "suffix": _r("no insertion (fill-in-the-middle) mode", ""),
+}
+
+CHAT = {
+    **_COMMON, **_EXTENSIONS,
+    "messages": _h("{role, content} strings, rendered with the chat template"),
+    "max_completion_tokens": _h("as max_tokens (max_tokens wins when both are given)"),
+    "audio": _r("text only"),
+    "function_call": _r("no function calling", "none"),
+    "functions": _r("no function calling", []),
+    "logprobs": _r("logprobs are not read back from the round yet", False),
+    "top_logprobs": _r("logprobs are not read back from the round yet", 0),
+    "metadata": _m("tags for stored completions; nothing is stored, nothing reads them"),
+    "modalities": _r("text only", ["text"]),
+    "parallel_tool_calls": _m("only shapes tool calls, and tools are refused"),
+    "prediction": _r("no predicted outputs"),
+    "reasoning_effort": _r("not a reasoning model with an effort setting"),
+    "response_format": _r("no structured output", {"type": "text"}),
+    "service_tier": _m("a billing / latency tier; this server has one tier"),
+    "store": _m("stores the completion for OpenAI's evals; nothing is stored or read back"),
+    "tool_choice": _r("no tool calling", "none"),
+    "tools": _r("no tool calling", []),
+    "web_search_options": _r("no web search"),
+}
+
+STREAM_OPTIONS = {
+    "include_usage": _h("a last chunk with no choices carries the usage"),
+    "continuous_usage_stats": _h("with include_usage, every chunk carries the usage so far "
+                                 "(guidellm sends it)"),
+    "include_obfuscation": _m("padding against length side channels; changes no content"),
+}
+
+
+def _same(value: object, neutral: object) -> bool:
+    # (True == 1 in Python: a bool matches only a bool)
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def check_table(body: dict, table: dict[str, Field], prefix: str) -> None:
+    for key, value in body.items():
+        name = prefix + str(key)
+        field = table.get(key)
+        if field is None:
+            raise APIError(400, f"Unrecognized request argument supplied: {name} (this "
+                                f"server does not know it)", param=name, code="unknown_field")
+        if field.policy == REFUSED and value is not None and not any(
+                _same(value, n) for n in field.neutral):
+            allowed = " or ".join(["null", *(show_value(n) for n in field.neutral)])
+            raise APIError(400, f"{name} {show_value(value)} is not supported by this server "
+                                f"(yet): {field.why}; only {allowed} is accepted",
+                           param=name, code="unsupported_field")
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse (400, ``param`` = the field) an unknown field, or a refused one holding
+    anything but null or a neutral value."""
+    check_table(body, CHAT if chat else COMPLETIONS, "")
+    options = body.get("stream_options")
+    if isinstance(options, dict):
+        check_table(options, STREAM_OPTIONS, "stream_options.")

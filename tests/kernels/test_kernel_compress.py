@@ -250,3 +250,24 @@ def test_wrong_shapes_are_refused():
         compress.compress_pool(*args[:-2], 8, 2)
     with pytest.raises(ValueError, match="rot"):
         compress.compress_pool(*args[:7], args[7][:1], *args[8:])
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (8, 1)])
+def test__tile_addresses_each_candidate_as_the_reference_gathers_it(ratio, coff):
+    """``triton_compress._tile`` under the interpreter: for every candidate of a row, the
+    value half's offset in its source (ring row v, or chunk row -1 - v), the source, whether
+    its position exists, and its ape offset, as ``gather_candidates`` / ``pool`` take them."""
+    from jit_probes import tile_probe
+
+    d, span = 6, coff * ratio
+    idx = torch.tensor([[5, -1, 2, -3, 0, -2, 7, 1][:span]] * 2, dtype=torch.int32)  # [2, span]
+    for row, pos in ((1, span - 3), (0, 40)):
+        out = torch.empty(4, span, dtype=torch.int64)
+        tile_probe[(1,)](idx, out, row, pos, 0, d, RATIO=ratio, COFF=coff, TILE_S=span)
+        i = torch.arange(span)
+        v = idx[row].long()
+        half = i // ratio
+        assert torch.equal(out[0], torch.where(v >= 0, v, -1 - v) * (2 * coff * d) + half * d)
+        assert torch.equal(out[1], (v >= 0).long())
+        assert torch.equal(out[2], (pos - span + 1 + i >= 0).long())
+        assert torch.equal(out[3], (i % ratio) * (coff * d) + half * d)

@@ -216,3 +216,24 @@ def test_fakes_give_the_references_shapes_and_dtypes():
     for got, ref in pairs:
         assert got.device.type == "meta"
         assert (got.shape, got.dtype) == (ref.shape, ref.dtype)
+
+
+def test__key_orders_scores_as_floats_and_zeros_masked_slots():
+    """``triton_indexer._key`` (the radix select's key) under the interpreter: keys of
+    finite scores order exactly as the scores (ties equal, -0.0 = 0.0), the uint32 key is
+    the reference's bit transform, and masked slots read 0 without a load."""
+    from jit_probes import key_probe
+
+    scores = torch.tensor([3.5, -0.0, 0.0, -2.0, 1e-40, -1e-40, 3.5, float("inf"),
+                           -float("inf"), 7.25, -7.25, 2.0 ** -126], dtype=torch.float32)
+    n, block = scores.numel(), 16
+    out = torch.full((block,), -1, dtype=torch.int64)
+    key_probe[(1,)](scores, out, n, BLOCK=block)
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores)
+    bits = s.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = torch.where(bits >> 31 != 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+    assert torch.equal(out[:n], want)
+    assert bool((out[n:] == 0).all())
+    a, b = scores.unsqueeze(1), scores.unsqueeze(0)
+    ka, kb = out[:n].unsqueeze(1), out[:n].unsqueeze(0)
+    assert torch.equal(ka < kb, a < b) and torch.equal(ka == kb, a == b)

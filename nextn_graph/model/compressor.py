@@ -176,12 +176,20 @@ class Indexer(UsesKernels, nn.Module):
         costing a kernel per layer."""
         return rope.rotation(positions, self.head_dim) * self.score_scale
 
+    def _rotation_at(self, plan: ForwardPlan, rope: RopeTable) -> torch.Tensor:
+        """``rotation`` at the plan's positions: once per forward for every C4 layer."""
+        return plan.memo((rope, "indexer_query", self.head_dim, self.score_scale),
+                         lambda: self.rotation(rope, plan.batch.positions))
+
+    def _query(self, qr: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """qr [T, q_lora] -> the RoPE'd, scaled queries [T, Hi, di] (this rank's heads)."""
+        return self.kernels.rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rot, False)
+
     def _scores(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor,
                 keys: torch.Tensor) -> torch.Tensor:
         """keys: [T, E, di], rot: ``rotation`` -> scores [T, E] = sum_h relu(q_h . k) * w_h
         * score_scale over all heads."""
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)  # [T, Hi, di] (local heads)
-        q = self.kernels.rope(q, rot, False)
+        q = self._query(qr, rot)
         w = self.weights_proj(x)  # [T, Hi]
         relu = torch.bmm(q, keys.transpose(1, 2)).relu()  # [T, Hi, E]
         part = torch.bmm(w.unsqueeze(1), relu).squeeze(1)  # the weighted sum over heads
@@ -190,8 +198,8 @@ class Indexer(UsesKernels, nn.Module):
     def _select(self, x, qr, rot, keys, base, count, n):
         """A sparse kernel set's scoring and top-k over the ``count`` [T] finished entries
         of each row's request (``keys`` rows from ``base`` [T]) -> (rows [T, k] int32, n [T])."""
-        q = self.kernels.rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rot, False)
-        scores = self.kernels.index_scores(q, self.weights_proj(x), keys, base, count, n)
+        scores = self.kernels.index_scores(self._query(qr, rot), self.weights_proj(x), keys,
+                                           base, count, n)
         scores = self.tp.all_reduce(scores)  # [T, n]: every rank's heads (past count: unread)
         return self.kernels.index_topk(scores, count, base, min(self.topk, n))
 
@@ -201,10 +209,8 @@ class Indexer(UsesKernels, nn.Module):
         int32, their count [T] int32), in entry order."""
         self.compressor.cached(x, plan, cache, rope)
         n = cache.per_request
-        rot = plan.memo((rope, "indexer_query", self.head_dim, self.score_scale),
-                        lambda: self.rotation(rope, plan.batch.positions))
-        return self._select(x, qr, rot, cache.entries, entry_base(plan, n),
-                            finished_count(plan, self.ratio, n), n)
+        return self._select(x, qr, self._rotation_at(plan, rope), cache.entries,
+                            entry_base(plan, n), finished_count(plan, self.ratio, n), n)
 
     def dense_selected(self, x, qr, rope: RopeTable, plan: ForwardPlan):
         """``dense`` on a sparse kernel set (``plan``: ``lists.sequence_plan``)."""
@@ -221,9 +227,7 @@ class Indexer(UsesKernels, nn.Module):
         n = keys.shape[1]
         base, slope = plan.memo(("stable_topk", self.ratio, n), lambda: stable_topk_terms(
             plan.finished_entries(self.ratio, n)))
-        rot = plan.memo((rope, "indexer_query", self.head_dim, self.score_scale),
-                        lambda: self.rotation(rope, plan.batch.positions))  # every C4 layer's
-        scores = self._scores(x, qr, rot, keys)
+        scores = self._scores(x, qr, self._rotation_at(plan, rope), keys)
         return stable_topk(scores, min(self.topk, n), base, slope)
 
     def dense(self, x, qr, rope: RopeTable):

@@ -82,6 +82,14 @@ class GraphConfig:
     # each kind's sampling variant too. false: greedy only (half the graphs and no q
     # tables), and a sampling request is refused at add_request.
     sampling: bool = True
+    # Top logprobs each round computes per committed token (the target's raw log-softmax,
+    # read back with the round's tokens); a request may ask 0..logprobs of them.
+    # 0: none (the round computes and reads back tokens only).
+    logprobs: int = 0
+    # Requests may carry penalties (presence / frequency / repetition, logit_bias,
+    # min_tokens): per-row tables and token counts ([rows, vocab]) applied at every
+    # verify row. false: none (a request with one is refused at add_request).
+    penalties: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,7 @@ _NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or 
 # allocator caches; the count is a loop over full forwards at start-up, so an absurd
 # value (1e8) would hang start-up instead of failing.
 MAX_WARMUP = 100
+MAX_LOGPROBS = 1024  # top logprobs per token a round may compute
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -371,6 +380,10 @@ def _check_graph(graph: GraphConfig, pool: PoolConfig, where: str) -> None:
     if unknown or len(set(graph.kinds)) != len(graph.kinds):
         raise ConfigError(f"{where}: key 'graph.kinds' must be distinct names from "
                           f"{GRAPH_KINDS}, got {show_value(list(graph.kinds))}")
+    if isinstance(graph.logprobs, bool) or not isinstance(graph.logprobs, int) or not (
+            0 <= graph.logprobs <= MAX_LOGPROBS):
+        raise ConfigError(f"{where}: key 'graph.logprobs' must be an integer in "
+                          f"[0, {MAX_LOGPROBS}] (0 = none), got {show_value(graph.logprobs)}")
     if not 0 <= graph.warmup <= MAX_WARMUP:
         raise ConfigError(f"{where}: key 'graph.warmup' must be in [0, {MAX_WARMUP}], "
                           f"got {show_value(graph.warmup)}")

@@ -13,6 +13,7 @@ Shapes: B requests, W positions per request (a verify window, or 1), V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .errors import InputError, show_value
+from .penalties import MAX_BAN_IDS, check_penalties
 
 SEED_LIMIT = 2**63  # seeds are int64 tensors
 MASK32 = 0xFFFFFFFF
@@ -31,18 +33,37 @@ DRAFT, ACCEPT, RESIDUAL, TARGET = 0, 1, 2, 3
 @dataclass(frozen=True)
 class SamplingParams:
     """Per request. ``temperature`` 0 is greedy decoding (the default, token for token
-    what the engine has always done); ``top_k`` 0 and ``top_p`` 1 switch those off.
-    ``seed`` None draws a fresh one per request (``resolved``); the same seed gives the
-    same tokens, whatever shares the batch, on every backend and across runs."""
+    what the engine has always done); ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 switch
+    those off. ``seed`` None draws a fresh one per request (``resolved``); the same seed
+    gives the same tokens, whatever shares the batch, on every backend and across runs.
+
+    The penalties (``penalties.py``; greedy requests too, on an engine built with
+    graph.penalties): ``presence_penalty``, ``frequency_penalty`` (0: off),
+    ``repetition_penalty`` (1: off), ``logit_bias`` ((token, bias) pairs or a mapping),
+    ``min_tokens`` (the stop ids ``ban_ids`` are held back until that many tokens; the
+    engine sets ``ban_ids`` to the request's stop ids)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    ban_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes any logit (needs an engine with graph.penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1 or (self.min_tokens and self.ban_ids))
 
     def checked(self, where: str) -> "SamplingParams":
         """These values, or an ``InputError`` naming the bad one."""
@@ -58,14 +79,29 @@ class SamplingParams:
         if s is not None and (not _integer(s) or not 0 <= s < SEED_LIMIT):
             raise InputError(f"{where}: seed must be an integer in [0, 2**63) or None, got "
                              f"{show_value(s)}")
-        return SamplingParams(float(t), float(p), int(k), None if s is None else int(s))
+        m = self.min_p
+        if not _real(m) or not 0 <= m <= 1:
+            raise InputError(f"{where}: min_p must lie in [0, 1] (0 = off), got {show_value(m)}")
+        return dataclasses.replace(self, temperature=float(t), top_p=float(p), top_k=int(k),
+                                   seed=None if s is None else int(s), min_p=float(m),
+                                   **check_penalties(self, where))
 
     def resolved(self) -> "SamplingParams":
         """With a seed: a fresh random one where none was given (host entropy, not a
         global generator), so two unseeded requests sample independently."""
         if self.seed is not None:
             return self
-        return SamplingParams(self.temperature, self.top_p, self.top_k, secrets.randbits(63))
+        return dataclasses.replace(self, seed=secrets.randbits(63))
+
+
+def with_bans(params: SamplingParams, stop_ids: frozenset[int], where: str) -> SamplingParams:
+    """The stop ids ``min_tokens`` holds back (``ban_ids``): the request's, or none."""
+    if not params.min_tokens:
+        return dataclasses.replace(params, ban_ids=())
+    if len(stop_ids) > MAX_BAN_IDS:
+        raise InputError(f"{where}: min_tokens holds back the stop ids, and this request has "
+                         f"{len(stop_ids)} (at most {MAX_BAN_IDS} with min_tokens)")
+    return dataclasses.replace(params, ban_ids=tuple(sorted(stop_ids)))
 
 
 def request_seed(run_seed: int, index: int) -> int:
@@ -79,7 +115,7 @@ def request_seed(run_seed: int, index: int) -> int:
 
 
 GREEDY = SamplingParams(seed=0)
-KEYS = tuple(f.name for f in fields(SamplingParams))
+KEYS = tuple(f.name for f in fields(SamplingParams) if f.name != "ban_ids")  # (the engine's)
 
 
 def sampling_params(value: object, where: str) -> SamplingParams:
@@ -161,10 +197,11 @@ def key_hash(seed: torch.Tensor, position: torch.Tensor, step: int | torch.Tenso
 # -- distributions and draws ---------------------------------------------------------------
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] fp32; temperature, top_k, top_p [...] per row -> probabilities
-    [..., V] of the tempered distribution restricted to the top-k tokens and then to
-    the smallest prefix (by probability) holding top_p of it, renormalised. Rows with
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [..., V] fp32; temperature, top_k, top_p, min_p [...] per row ->
+    probabilities [..., V] of the tempered distribution restricted to the tokens of at
+    least min_p times the most likely one's probability and to the top-k, then to the
+    smallest prefix (by probability) holding top_p of it, renormalised. Rows with
     temperature 0 get the one-hot argmax (greedy). Static shapes: a sort, no masks
     that change size."""
     v = logits.shape[-1]
@@ -175,6 +212,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     rank = torch.arange(v, device=logits.device)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v)).unsqueeze(-1)
     keep = rank < k
+    if min_p is not None:  # (0: every token is kept, the float unchanged)
+        keep = keep & (probs >= min_p.unsqueeze(-1) * probs[..., :1])
     probs = probs * keep
     probs = probs / probs.sum(dim=-1, keepdim=True)
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
@@ -195,6 +234,7 @@ class RowParams:
     top_p: torch.Tensor  # [B] fp32
     top_k: torch.Tensor  # [B] int64, 0 = off
     seed: torch.Tensor  # [B] int64
+    min_p: torch.Tensor  # [B] fp32, 0 = off
 
     @staticmethod
     def of(params: Sequence[SamplingParams], device) -> "RowParams":
@@ -202,7 +242,8 @@ class RowParams:
         def col(name, dtype):
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
         return RowParams(col("temperature", torch.float32), col("top_p", torch.float32),
-                         col("top_k", torch.int64), col("seed", torch.int64))
+                         col("top_k", torch.int64), col("seed", torch.int64),
+                         col("min_p", torch.float32))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] or [B, W, V] -> each row's filtered distribution, same shape."""
@@ -211,7 +252,7 @@ class RowParams:
         def per_row(x):
             return x.view(-1, *([1] * (len(shape) - 1))).expand(shape)
         return filtered_probs(logits.float(), per_row(self.temperature), per_row(self.top_k),
-                              per_row(self.top_p))
+                              per_row(self.top_p), per_row(self.min_p))
 
     def uniform(self, base: torch.Tensor, offsets: torch.Tensor | int,
                 stream: int) -> torch.Tensor:

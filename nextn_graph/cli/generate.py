@@ -25,6 +25,7 @@ from ..sampling import (KEYS as SAMPLING_KEYS, SamplingParams, request_seed,
 from .prompts import Prompt, prompt_ids, read_prompts
 
 MODES = {"reference": reference_generate, "plain": plain_generate}  # and "spec"
+OFF = asdict(SamplingParams())  # each field's default: off
 SAMPLING_OPTIONS = {  # generate's options, by SamplingParams field: (type, help)
     "temperature": (float, "0 (the default) decodes greedily; > 0 samples from the "
                            "target's distribution at this temperature"),
@@ -34,6 +35,17 @@ SAMPLING_OPTIONS = {  # generate's options, by SamplingParams field: (type, help
     "seed": (int, "in [0, 2**63): seeds the run, request i gets its own seed derived from "
                   "it, and the same seed gives the same tokens (default: a fresh random "
                   "seed per request, shown by --json)"),
+    "min_p": (float, "sample only tokens of at least this times the likeliest one's "
+                     "probability, in [0, 1] (default 0: off)"),
+    "presence_penalty": (float, "subtract this from the logit of every token the output "
+                                "holds, in [-2, 2] (needs graph.penalties: true)"),
+    "frequency_penalty": (float, "subtract this times its count in the output from each "
+                                 "token's logit, in [-2, 2] (needs graph.penalties: true)"),
+    "repetition_penalty": (float, "divide the positive logits (multiply the negative ones) "
+                                  "of tokens in the prompt or output by this, in (0, 100] "
+                                  "(default 1: off; needs graph.penalties: true)"),
+    "min_tokens": (int, "hold EOS and the stop ids back until this many tokens (needs "
+                        "graph.penalties: true)"),
 }
 
 
@@ -62,8 +74,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "sampling", f"defaults for every request; a --prompts line's own keys "
                     f"({', '.join(SAMPLING_KEYS)}) override them for that request")
-    for key in SAMPLING_KEYS:
-        kind, text = SAMPLING_OPTIONS[key]
+    for key, (kind, text) in SAMPLING_OPTIONS.items():  # (logit_bias: in --prompts lines)
         group.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
                            type=_sampling_option(key, kind), help=text)
 
@@ -110,7 +121,7 @@ def request_sampling(args: argparse.Namespace, given: list[Prompt]) -> list[Samp
     them; ``--seed`` seeds the run, request i gets ``request_seed(seed, i)``. Resolved
     here, on rank 0, before any mirrored call: a seed left unset is drawn once, so every
     tensor-parallel rank decodes with the same one."""
-    defaults = {k: getattr(args, k) for k in SAMPLING_KEYS
+    defaults = {k: getattr(args, k) for k in SAMPLING_OPTIONS
                 if k != "seed" and getattr(args, k) is not None}
     per = [{**defaults, **({} if args.seed is None else {"seed": request_seed(args.seed, i)}),
             **p.sampling} for i, p in enumerate(given)]
@@ -127,6 +138,7 @@ def _request(prompt: Prompt, ids: list[int], out: list[int],
         req["prompt_text"] = prompt.value
     if tokenizer is not None:
         req["text"] = tokenizer.decode(out)
-    if not sampling.greedy:
-        req["sampling"] = asdict(sampling)
+    if not sampling.greedy:  # the four always, the other fields where they are not off
+        req["sampling"] = {k: v for k, v in asdict(sampling).items() if k != "ban_ids" and (
+            k in ("temperature", "top_p", "top_k", "seed") or v != OFF[k])}
     return req

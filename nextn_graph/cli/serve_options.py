@@ -8,6 +8,7 @@ import argparse
 from ..config import KERNEL_MODES
 from ..serve.limits import API_KEY_ENV, ServeSettings
 
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's max_logprobs default
 KERNELS_HELP = ("fused kernels (YAML kernels): auto = the device's, reference = the exact aten "
                 "code, triton = the Triton kernels (on a CPU under TRITON_INTERPRET=1)")
 
@@ -32,6 +33,14 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
                         help="prompt tokens prefilled per step, longer prompts in chunks so "
                              "running streams keep a round every step; 0 = unlimited "
                              "(YAML scheduler.prefill_token_budget)")
+    parser.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                        help="most alternatives per token a request may ask (logprobs, "
+                             "top_logprobs, prompt_logprobs); overrides YAML graph.logprobs "
+                             f"(default {DEFAULT_MAX_LOGPROBS}, as vLLM's max_logprobs)")
+    parser.add_argument("--penalties", action=argparse.BooleanOptionalAction, default=True,
+                        help="take presence / frequency / repetition penalties, logit_bias "
+                             "and min_tokens (per-row tables and [rows, vocab] token counts); "
+                             "--no-penalties refuses them (YAML graph.penalties)")
     parser.add_argument("--max-waiting", type=int, default=ServeSettings.max_waiting,
                         help="requests queued beyond the pool's rows; more get 429")
     parser.add_argument("--max-body-bytes", type=positive, default=ServeSettings.max_body_bytes)

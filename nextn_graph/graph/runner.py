@@ -137,6 +137,16 @@ class RoundResult:
     accept_lens: list[int]
     preds: list[list[int]]  # [b][N]
     drafts: list[list[int]]  # [b][S]
+    # with graph.logprobs K: fp32 logprobs [b, N, 1+K] of each window row's token, then
+    # of its K most likely tokens, whose ids are top_ids [b, N, K] (host tensors)
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def rows(self, keep: list[int]) -> "RoundResult":
+        """The results of requests ``keep`` (indices), in that order."""
+        lp = None if self.logprobs is None else (self.logprobs[keep], self.top_ids[keep])
+        return RoundResult([self.accept_lens[i] for i in keep], [self.preds[i] for i in keep],
+                           [self.drafts[i] for i in keep], *(lp or ()))
 
 
 @dataclass
@@ -277,13 +287,20 @@ class GraphRunner:
     def finish_chunk(self, pending: PendingChunk) -> RoundResult:
         """Wait for a launched chunk's readback (its one host sync) -> what it decided."""
         start = time.perf_counter()
-        host = self._host.finish_read(pending.read)  # [b, 1 + N + S] flat
+        host = self._host.finish_read(pending.read)  # [b * readout width] flat
         self.read_wait_s += time.perf_counter() - start
-        n, w = self.round.verify_width, self.round.bufs.readout.shape[1]
-        rows = [host[i * w:(i + 1) * w] for i in range(pending.rows)]
+        bufs, b = self.round.bufs, pending.rows
+        n, s, k = self.round.verify_width, self.round.num_steps, bufs.top_logprobs
+        host = host.view(b, bufs.readout.shape[1])
+        rows = host[:, :1 + n + s].tolist()
+        lp = ()
+        if k:  # (copied out: the host buffer is reused two reads on)
+            ids = host[:, 1 + n + s:1 + n + s + n * k]
+            values = host[:, 1 + n + s + n * k:].clone().view(torch.float32)[:, :n * (1 + k)]
+            lp = (values.view(b, n, 1 + k), ids.clone().view(b, n, k))
         self._record("read", start)
         return RoundResult([r[0] for r in rows], [r[1:1 + n] for r in rows],
-                           [r[1 + n:] for r in rows])
+                           [r[1 + n:] for r in rows], *lp)
 
     def _record(self, event: str, start: float) -> None:
         if self.observer is not None:

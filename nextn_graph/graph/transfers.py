@@ -71,14 +71,15 @@ class HostTransfers:
             event.record()
         return PendingRead(i, size, event, self._uploads)
 
-    def finish_read(self, read: PendingRead) -> list[int]:
-        """Wait for that copy (the round's one host sync) -> the values."""
+    def finish_read(self, read: PendingRead) -> torch.Tensor:
+        """Wait for that copy (the round's one host sync) -> the values, flat, as a view
+        of the host buffer (the start_read after next overwrites it: read it before)."""
         if read.event is not None:
             read.event.synchronize()
         if read.uploads == self._uploads:  # no upload since that copy was enqueued
             self._uploading = False
-        return self.out[read.buffer][:read.size].tolist()
+        return self.out[read.buffer][:read.size]
 
     def readback(self, rows: torch.Tensor) -> list[int]:
         """Both halves at once: one copy, then the one host sync."""
-        return self.finish_read(self.start_read(rows))
+        return self.finish_read(self.start_read(rows)).tolist()

@@ -81,23 +81,43 @@ class RoundBuffers:
     slots: torch.Tensor  # [Bmax] committed state slots of this round's requests, 0 = padding
     hidden: torch.Tensor  # [Bmax*N, hc*H] verify pre_hc_head
     # What the host reads back, one row per request, so a chunk's readback is one
-    # copy of the leading rows; the three fields below are column views of it.
-    readout: torch.Tensor  # [Bmax, 1 + N + S]
+    # copy of the leading rows; the fields below are column views of it.
+    readout: torch.Tensor  # [Bmax, 1 + N + S (+ N*K + ceil(N*(1+K)/2) with logprobs)]
     accept_lens: torch.Tensor  # [Bmax] in [1, N]            readout[:, 0]
     preds: torch.Tensor  # [Bmax, N] target predictions      readout[:, 1:1+N]
-    draft_tokens: torch.Tensor  # [Bmax, S] the candidates   readout[:, 1+N:]
+    draft_tokens: torch.Tensor  # [Bmax, S] the candidates   readout[:, 1+N:1+N+S]
+    # With K = graph.logprobs > 0 (else [Bmax, N, 0]): each verify row's K most likely
+    # tokens, and fp32 logprobs of its committed token then of those K, packed two per
+    # int64 column of the readout, so they come back in the same one copy.
+    top_ids: torch.Tensor  # [Bmax, N, K]                     readout[:, 1+N+S:1+N+S+N*K]
+    logprobs: torch.Tensor  # [Bmax, N, 1+K] fp32             readout[:, 1+N+S+N*K:] as fp32
 
     @staticmethod
-    def allocate(max_batch: int, num_steps: int, hc_dim: int, device, dtype) -> "RoundBuffers":
-        n = num_steps + 1
+    def allocate(max_batch: int, num_steps: int, hc_dim: int, device, dtype,
+                 top_logprobs: int = 0) -> "RoundBuffers":
+        n, k = num_steps + 1, top_logprobs
         long = dict(dtype=torch.int64, device=device)
-        readout = torch.zeros(max_batch, 1 + n + num_steps, **long)
+        tokens = 1 + n + num_steps
+        packed = (n * (1 + k) + 1) // 2 if k else 0  # fp32 pairs per int64 column
+        readout = torch.zeros(max_batch, tokens + n * k + packed, **long)
         readout[:, 0] = 1
+        if k:
+            logprobs = readout[:, tokens + n * k:].view(torch.float32)[:, :n * (1 + k)]
+            logprobs = logprobs.view(max_batch, n, 1 + k)
+        else:
+            logprobs = torch.zeros(max_batch, n, 0, device=device)
         return RoundBuffers(
             slots=torch.zeros(max_batch, **long),
             hidden=torch.zeros(max_batch * n, hc_dim, device=device, dtype=dtype),
             readout=readout, accept_lens=readout[:, 0], preds=readout[:, 1:1 + n],
-            draft_tokens=readout[:, 1 + n:])
+            draft_tokens=readout[:, 1 + n:tokens],
+            top_ids=readout[:, tokens:tokens + n * k].view(max_batch, n, k),
+            logprobs=logprobs)
+
+    @property
+    def top_logprobs(self) -> int:
+        """K, the top logprobs a round computes per token (0: none)."""
+        return self.top_ids.shape[-1]
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,7 @@ class SamplingTables:
     top_p: torch.Tensor  # [R] fp32
     top_k: torch.Tensor  # [R] int64, 0 = off
     seed: torch.Tensor  # [R] int64, the request's sampling seed
+    min_p: torch.Tensor  # [R] fp32, 0 = off
     q1: torch.Tensor  # [2R, V] q of candidate 1 by slot (sampled rows); [0, V] plain
     q: torch.Tensor  # [Bmax, S, V] this round's q of candidates 1..S; [0, 1, V] plain
 
@@ -122,6 +143,7 @@ class SamplingTables:
         draft = num_steps > 0  # plain decoding has no draft: no q to keep (empty tables)
         return SamplingTables(torch.zeros(rows, **f32), torch.ones(rows, **f32),
                               torch.zeros(rows, **long), torch.zeros(rows, **long),
+                              torch.zeros(rows, **f32),
                               torch.zeros(2 * rows if draft else 0, vocab, **f32),
                               torch.zeros(max_batch if draft else 0, max(num_steps, 1), vocab,
                                           **f32))
@@ -132,8 +154,9 @@ class SamplingTables:
         self.top_p.index_put_((rows,), params.top_p)
         self.top_k.index_put_((rows,), params.top_k)
         self.seed.index_put_((rows,), params.seed)
+        self.min_p.index_put_((rows,), params.min_p)
 
     def gather(self, rows: torch.Tensor) -> RowParams:
         """The parameters of pool rows [B] (padding row 0 is greedy)."""
         return RowParams(self.temperature[rows], self.top_p[rows], self.top_k[rows],
-                         self.seed[rows])
+                         self.seed[rows], self.min_p[rows])

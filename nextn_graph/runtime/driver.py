@@ -28,7 +28,7 @@ import torch
 from ..graph.runner import GraphRunner, RoundResult, plan_chunks
 from ..parallel.group import TPGroup
 from .buffers import RequestState
-from .request import Request
+from .request import Request, token_logprobs
 from .scheduler import Scheduler
 from .stats import SpecStats
 
@@ -132,9 +132,7 @@ class RoundDriver:
         keep = [i for i, r in enumerate(chunk) if not r.finished]
         held = {id(r) for later, _ in self.inflight for r in later}
         self.stats.rounds += int(bool(keep))
-        self._commit_round([chunk[i] for i in keep], RoundResult(
-            [res.accept_lens[i] for i in keep], [res.preds[i] for i in keep],
-            [res.drafts[i] for i in keep]), held)
+        self._commit_round([chunk[i] for i in keep], res.rows(keep), held)
 
     def _round_in_step(self, active: list[Request]) -> None:
         """Run every chunk, then commit the ones that read back (host only)."""
@@ -172,5 +170,10 @@ class RoundDriver:
         st.nextn_decode_forwards += max(s - 1, 0)
         st.proposed_drafts += b * s
         st.accepted_drafts += sum(res.accept_lens) - b
-        for req, a, preds, drafts in zip(chunk, res.accept_lens, res.preds, res.drafts):
-            self.sched.commit(req, preds[:a], drafts, hold=id(req) in held, accepted=a - 1)
+        for i, (req, a, preds) in enumerate(zip(chunk, res.accept_lens, res.preds)):
+            lp = None
+            if req.logprobs is not None:  # what the request asked for, of its a tokens
+                lp = token_logprobs(preds[:a], res.logprobs[i, :a], res.top_ids[i, :a],
+                                    req.logprobs)
+            self.sched.commit(req, preds[:a], res.drafts[i], hold=id(req) in held,
+                              accepted=a - 1, logprobs=lp)

@@ -79,13 +79,28 @@ def rollout(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, cand1: tor
 
 
 def verify(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
-           draft_tokens: torch.Tensor, params: RowParams | None = None):
+           draft_tokens: torch.Tensor, params: RowParams | None = None, process=None):
     """-> (target predictions [B, N], or with ``params`` the filtered target
-    distributions p [B, N, V]; verify hidden [B*N, hc*H])."""
+    distributions p [B, N, V]; verify hidden [B*N, hc*H]; the raw logits [B, N, V] fp32).
+    ``process``: the penalties, logits [B, N, V] -> [B, N, V], before the pick."""
     window = torch.cat((bonus.unsqueeze(1), draft_tokens), dim=1)  # [B, N]
     out = m.target(window_batch(window, rows, lengths), m.target_pool)
-    logits = out.logits.view(*window.shape, -1)  # [B, N, V]
-    return (logits.argmax(dim=-1) if params is None else params.probs(logits)), out.hidden
+    raw = logits = out.logits.view(*window.shape, -1)  # [B, N, V]
+    if process is not None:
+        logits = process(logits)
+    return ((logits.argmax(dim=-1) if params is None else params.probs(logits)), out.hidden,
+            raw)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """The raw log-softmax at the committed tokens: logits [..., V] fp32, tokens [...] ->
+    (logprobs [..., 1+k]: the token's, then the k most likely ones'; their ids [..., k]).
+    One logsumexp and one top-k, no [..., V] output: the greedy token's logprob and the
+    top-1's are the same float (the same logit minus the same normaliser)."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
+    top = logits.topk(k, dim=-1)  # sorted: most likely first
+    chosen = logits.gather(-1, tokens.unsqueeze(-1))  # [..., 1]
+    return torch.cat((chosen, top.values), dim=-1) - lse, top.indices
 
 
 def accept(draft_tokens: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
@@ -118,7 +133,8 @@ def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tenso
 
 
 def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
-            with_draft: bool = True, params: RowParams | None = None):
+            with_draft: bool = True, params: RowParams | None = None,
+            lp_rows: torch.Tensor | None = None, lp_k: int = 0, process=None):
     """Eager, variable length: target over prompt chunks, then draft extend for them.
 
     Chunk c holds prompt positions ``start .. start+len-1`` of its row (KV of the
@@ -131,7 +147,11 @@ def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
     seed [F, hc*H], q of candidate 1 [F, V] or None); without the draft (plain
     decoding) candidate 1 and the seed are zeros. ``params``: the final chunks'
     (None: greedy); the bonus (position P, a round based at P - 1) and candidate 1
-    (the first round's, based at P) are drawn.
+    (the first round's, based at P) are drawn. ``lp_rows`` [R] (rows of the batch):
+    also the raw logprobs of each such row's next token (the prompt's, or the bonus at a
+    final chunk's last row) and its ``lp_k`` most likely (``token_logprobs``), returned
+    last (else None). ``process``: the penalties of the final chunks' first tokens,
+    logits [F, V] -> [F, V].
     """
     batch = ForwardBatch.from_chunks(chunks, device)
     out = m.target(batch, m.target_pool)
@@ -141,19 +161,23 @@ def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
     last = torch.tensor([ends[i] for i in final], device=device, dtype=torch.long)  # [F]
     lens = torch.tensor([chunks[i].start + len(chunks[i].tokens) for i in final],
                         device=device, dtype=torch.long)  # [F] P
+    head = out.logits[last] if process is None else process(out.logits[last])  # [F, V]
     if params is None:
-        bonus = out.logits[last].argmax(dim=-1)
+        bonus = head.argmax(dim=-1)
     else:
-        bonus = params.next_token(params.probs(out.logits[last]), lens - 1)
+        bonus = params.next_token(params.probs(head), lens - 1)
+    shifted = None
+    if with_draft or lp_rows is not None:
+        shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p
+        cont = [i for i, n in enumerate(nexts) if n is not None]
+        if cont:  # a chunk that stops inside its prompt: the prompt's next token
+            shifted[[ends[i] for i in cont]] = torch.tensor([nexts[i] for i in cont],
+                                                            device=device, dtype=shifted.dtype)
+        shifted = shifted.index_put((last,), bonus)
+    lp = None if lp_rows is None else token_logprobs(out.logits[lp_rows], shifted[lp_rows], lp_k)
     if not with_draft:
-        return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last]), None
-    shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p
-    cont = [i for i, n in enumerate(nexts) if n is not None]
-    if cont:  # a chunk that stops inside its prompt: the prompt's next token
-        shifted[[ends[i] for i in cont]] = torch.tensor([nexts[i] for i in cont],
-                                                        device=device, dtype=shifted.dtype)
-    shifted = shifted.index_put((last,), bonus)
+        return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last]), None, lp
     draft_batch = dataclasses.replace(batch, input_ids=shifted)
     dout = m.draft(draft_batch, out.hidden, m.draft_pool)
     cand1, q1 = _candidate(dout.logits[last], params, lens)
-    return bonus, cand1, dout.hidden[last], q1
+    return bonus, cand1, dout.hidden[last], q1, lp

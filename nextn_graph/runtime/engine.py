@@ -37,8 +37,8 @@ from ..errors import InputError, ParallelError, RequestFailed
 from ..kernels.select import select_kernels
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
-from .generate import (GenerateResult, validate_max_new_tokens, validate_prompt,
-                       validate_prompts, validate_stop_ids)
+from .generate import (GenerateResult, validate_logprobs, validate_max_new_tokens,
+                       validate_prompt, validate_prompts, validate_stop_ids)
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..model.ops import use_kernels
@@ -47,11 +47,12 @@ from ..graph.runner import GraphRunner
 from ..graph.updates import UpdateRegistry
 from .buffers import RequestState, RoundBuffers, SamplingTables
 from .driver import RoundDriver
+from .penalty_tables import PenaltyTables
 from .eagle import SpecModels
 from .prefill import Prefiller
 from .round import DecodeRound
 from .request import StepOutput
-from ..sampling import SamplingParams, sampling_params, sampling_per_prompt
+from ..sampling import SamplingParams, sampling_params, sampling_per_prompt, with_bans
 from .scheduler import Scheduler
 from .stats import SpecStats
 
@@ -116,17 +117,25 @@ class SpecEngine:
         self.device = target.embed.weight.device
         dtype = target.embed.weight.dtype
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
+        if graph.logprobs > self.cfg.vocab_size:
+            raise InputError(f"{where}: graph.logprobs {graph.logprobs} exceeds the "
+                             f"vocabulary ({self.cfg.vocab_size} tokens)")
+        self.max_logprobs = graph.logprobs  # top logprobs a request may ask per token
         bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
-                                     self.device, dtype)
+                                     self.device, dtype, top_logprobs=graph.logprobs)
         self.samples = graph.sampling  # requests may sample (tables and graphs for it)
+        self.penalizes = graph.penalties  # requests may carry penalties
         sampling = SamplingTables.allocate(layout.rows, pool.max_requests, self.num_steps,
                                            self.cfg.vocab_size, self.device) if self.samples else None
+        penalties = PenaltyTables.allocate(layout.rows, self.cfg.vocab_size, width,
+                                           self.device) if graph.penalties else None
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates,
                                           compile_backend=graph.compile_backend)
         self.runner = GraphRunner(
             DecodeRound(self.models, self.state, bufs, self.num_steps,
-                        fused=graph.round == "fused", sampling=sampling), backend,
+                        fused=graph.round == "fused", sampling=sampling,
+                        penalties=penalties), backend,
             buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
             warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
             updates=updates, collectives=self.tp.counts)
@@ -137,7 +146,8 @@ class SpecEngine:
                                    self.tp.rank if self.tp.parallel else None)
         sampled_rows = [False] * layout.rows  # by pool row: its request samples
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
-                                 self.tp, self.engine_id, self.num_steps, sampled_rows)
+                                 self.tp, self.engine_id, self.num_steps, sampled_rows,
+                                 penalties)
         self.rounds = RoundDriver(self.runner, self.state, self.stats, self.scheduler, self.tp,
                                   self.engine_id, sampled_rows, overlap=graph.overlap == "on")
 
@@ -152,11 +162,16 @@ class SpecEngine:
     # -- requests --------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
                     stop_ids: Iterable[int] | None = None,
-                    sampling: SamplingParams | dict | None = None) -> int:
+                    sampling: SamplingParams | dict | None = None,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
         """Queue a request; a bad one raises here and touches no other request.
 
         ``sampling``: None decodes greedily; a ``SamplingParams`` (or a dict of its
         fields) samples with its temperature, top_p, top_k and seed (None: a fresh one).
+        ``logprobs`` k: each output token's ``StepOutput.logprobs`` entry (the target's
+        raw log-softmax, from the verify pass and the prefill) with its k most likely
+        tokens; ``prompt_logprobs`` k: the prompt's, on the first output. k is at most
+        ``max_logprobs`` (graph.logprobs); None: off.
         """
         if self.scheduler.broken:
             raise ParallelError(f"tensor parallelism: this engine's group failed "
@@ -166,14 +181,26 @@ class SpecEngine:
                                  self.lookahead)
         max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
         stops = validate_stop_ids(stop_ids, self.cfg, where)
-        params = self._checked_sampling(sampling, where)
-        return self.scheduler.add(prompt, max_new_tokens, stops, params)
+        params = self._checked_sampling(sampling, where, stops)
+        lp = validate_logprobs(logprobs, self.max_logprobs, where, "logprobs")
+        prompt_lp = validate_logprobs(prompt_logprobs, self.max_logprobs, where,
+                                      "prompt_logprobs")
+        return self.scheduler.add(prompt, max_new_tokens, stops, params, lp, prompt_lp)
 
-    def _checked_sampling(self, sampling: object, where: str) -> SamplingParams:
-        params = sampling_params(sampling, where)
+    def _checked_sampling(self, sampling: object, where: str,
+                          stops: frozenset[int]) -> SamplingParams:
+        """Checked and resolved, with the stop ids min_tokens holds back (``ban_ids``)."""
+        params = with_bans(sampling_params(sampling, where), stops, where)
         if not params.greedy and not self.samples:
             raise InputError(f"{where}: temperature {params.temperature} samples, but this "
                              f"engine was built greedy-only (graph.sampling: false)")
+        if params.penalized and not self.penalizes:
+            raise InputError(f"{where}: penalties, logit_bias or min_tokens need an engine "
+                             f"built with graph.penalties: true")
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise InputError(f"{where}: logit_bias token id {bad[0]} is outside the "
+                             f"vocabulary [0, {self.cfg.vocab_size})")
         return params
 
     def abort(self, rid: int) -> bool:
@@ -233,8 +260,8 @@ class SpecEngine:
                              f"(drive them with step())")
         # All-or-nothing: a bad prompt or stop id raises before any request is queued.
         validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
-        validate_stop_ids(stop_ids, self.cfg, "generate")
-        params = [self._checked_sampling(p, f"request {i}")
+        stops = validate_stop_ids(stop_ids, self.cfg, "generate")
+        params = [self._checked_sampling(p, f"request {i}", stops)
                   for i, p in enumerate(sampling_per_prompt(sampling, len(prompts)))]
         start = time.perf_counter()
         before, counters_before = self.stats.snapshot(), self.runner.counters.snapshot()

@@ -24,7 +24,8 @@ from ..errors import InputError, show_value
 from ..memory.batch import Chunk, ForwardBatch
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, ModelConfig
-from ..sampling import RowParams, SamplingParams, sampling_per_prompt
+from ..penalties import penalize
+from ..sampling import RowParams, SamplingParams, sampling_per_prompt, with_bans
 
 
 @dataclass
@@ -142,13 +143,31 @@ def validate_stop_ids(stop_ids: Collection[int] | None, cfg: ModelConfig,
     return frozenset(_token_ids(stop_ids, cfg, where, "stop token id"))
 
 
+def validate_logprobs(value: object, limit: int, where: str, name: str) -> int | None:
+    """A request's ``logprobs`` or ``prompt_logprobs``: None (off) or k, the top logprobs
+    per token, in [0, limit] (the engine's graph.logprobs)."""
+    if value is None:
+        return None
+    if limit == 0:
+        raise InputError(f"{where}: {name} {_show(value)}: this engine computes no logprobs "
+                         f"(build it with graph.logprobs > 0)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise InputError(f"{where}: {name} must be None or an integer in [0, {limit}] (the "
+                         f"top logprobs per token; graph.logprobs is {limit}), got "
+                         f"{_show(value)}")
+    return value
+
+
 def _finished(out: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> bool:
     return len(out) >= max_new_tokens or (bool(out) and out[-1] in stop_ids)
 
 
-def _sampler(logits: torch.Tensor, params: list[SamplingParams], base: list[int]) -> list[int]:
-    """logits [B, V] of the next token of B requests at committed lengths ``base``
-    -> each request's token: its argmax (greedy) or its keyed draw."""
+def _sampler(logits: torch.Tensor, params: list[SamplingParams], base: list[int],
+             prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
+    """logits [B, V] of the next token of B requests at committed lengths ``base``, after
+    ``prompts[i] + outputs[i]`` -> each request's token: its argmax (greedy) or its keyed
+    draw, after its penalties."""
+    logits = penalize(logits, params, prompts, outputs)
     if all(p.greedy for p in params):
         return logits.argmax(-1).tolist()
     rows = RowParams.of(params, logits.device)
@@ -169,6 +188,12 @@ def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
     return prompts, validate_stop_ids(stop_ids, cfg, mode), max_context, max_new_tokens
 
 
+def _params(sampling: object, n: int, stop_ids: frozenset[int]) -> list[SamplingParams]:
+    """One setting per prompt, with the stop ids min_tokens holds back (as the engine)."""
+    return [with_bans(p, stop_ids, f"request {i}")
+            for i, p in enumerate(sampling_per_prompt(sampling, n))]
+
+
 @torch.no_grad()
 def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int, stop_ids: Collection[int] | None = None,
@@ -177,7 +202,7 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
     seed left None is drawn here (give seeds to mirror this on tensor-parallel ranks)."""
     prompts, stop_ids, max_context, max_new_tokens = _prepare(
         target, prompts, max_new_tokens, stop_ids, max_context, "reference_generate")
-    params = sampling_per_prompt(sampling, len(prompts))
+    params = _params(sampling, len(prompts), stop_ids)
     device = target.embed.weight.device
     start, forwards, outputs = time.perf_counter(), 0, []
     for prompt, param in zip(prompts, params):
@@ -185,7 +210,7 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
         while not _finished(out, stop_ids, max_new_tokens):
             logits = target.reference(torch.tensor(seq, device=device)).logits  # [S, V]
             forwards += 1
-            out.extend(_sampler(logits[-1:], [param], [len(seq) - 1]))
+            out.extend(_sampler(logits[-1:], [param], [len(seq) - 1], [prompt], [out]))
             seq.append(out[-1])
         outputs.append(out)
     return GenerateResult(outputs, _stats("reference", prompts, outputs, forwards, start))
@@ -198,7 +223,7 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
     """``sampling`` as ``reference_generate``'s."""
     prompts, stop_ids, max_context, max_new_tokens = _prepare(
         target, prompts, max_new_tokens, stop_ids, max_context, "plain_generate")
-    params = sampling_per_prompt(sampling, len(prompts))
+    params = _params(sampling, len(prompts), stop_ids)
     if not prompts:  # nothing to decode: no pool of zero requests
         return GenerateResult([], _stats("plain", [], [], 0, time.perf_counter()))
     device = target.embed.weight.device
@@ -209,7 +234,8 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
         [Chunk(r, 0, p) for r, p in zip(rows, prompts)], device=device)
     logits = target(batch, pool).logits  # [sum(prompt lens), V]
     last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
-    nxt = _sampler(logits[last], params, [len(p) - 1 for p in prompts])
+    nxt = _sampler(logits[last], params, [len(p) - 1 for p in prompts], prompts,
+                   [[] for _ in prompts])
     outputs: list[list[int]] = [[t] for t in nxt]
     forwards, steps, decode_start = 1, 0, time.perf_counter()
     while True:
@@ -221,7 +247,8 @@ def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int
              for i in active], device=device)
         logits = target(batch, pool).logits  # [active, V]: one row per active request
         nxt = _sampler(logits, [params[i] for i in active],
-                       [len(prompts[i]) + len(outputs[i]) - 1 for i in active])
+                       [len(prompts[i]) + len(outputs[i]) - 1 for i in active],
+                       [prompts[i] for i in active], [outputs[i] for i in active])
         forwards, steps = forwards + 1, steps + 1
         for i, tok in zip(active, nxt):
             outputs[i].append(tok)

@@ -31,6 +31,8 @@ chunk's forward (and, for a final chunk, the bonus's readback) succeeded.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..memory.batch import Chunk
@@ -39,7 +41,8 @@ from ..parallel.group import TPGroup
 from . import eagle
 from .buffers import RequestState, SamplingTables
 from .eagle import SpecModels
-from .request import Request
+from .penalty_tables import PenaltyTables
+from .request import Request, TokenLogprob, token_logprobs
 from ..sampling import RowParams, SamplingParams
 from .scheduler import Scheduler
 from .stats import SpecStats
@@ -50,14 +53,17 @@ class Prefiller:
     rows' state copy 0, then hands the final chunks' requests back to it to run. On a
     tensor-parallel group ``tp`` it first tells the other ranks (engine ``engine_id``).
     ``sampling``: the engine's sampling tables (None: greedy only); ``sampled_rows``: by
-    pool row, whether its request samples (written here, read by the rounds)."""
+    pool row, whether its request samples (written here, read by the rounds);
+    ``penalties``: the penalty tables (graph.penalties), filled at admission."""
 
     def __init__(self, models: SpecModels, state: RequestState, sampling: SamplingTables | None,
                  stats: SpecStats, scheduler: Scheduler, tp: TPGroup, engine_id: int,
-                 num_steps: int, sampled_rows: list[bool]):
+                 num_steps: int, sampled_rows: list[bool],
+                 penalties: PenaltyTables | None = None):
         self.models, self.state, self.sampling, self.stats = models, state, sampling, stats
         self.sched, self.tp, self.engine_id = scheduler, tp, engine_id
         self.num_steps, self.sampled_rows = num_steps, sampled_rows
+        self.penalties = penalties
         self.device = state.lengths.device
 
     @torch.no_grad()
@@ -68,7 +74,7 @@ class Prefiller:
             return
         reqs = [r for r, _ in plan]
         try:
-            bonus = self._prefill(plan)
+            bonus, logprobs = self._prefill(plan)
         except Exception as exc:  # on a group the ranks' states may now differ: all fail
             self.sched.fail_unit(reqs, reqs, exc, "prefill")
             return
@@ -80,33 +86,78 @@ class Prefiller:
         st.nextn_extend_forwards += int(self.num_steps > 0)
         st.prefill_chunks += len(plan)
         st.prompt_tokens += sum(len(r.prompt) for r, end in plan if end == len(r.prompt))
-        self.sched.prefilled(plan, bonus)
+        self.sched.prefilled(plan, bonus, logprobs)
 
-    def _prefill(self, plan: list[tuple[Request, int]]) -> list[int]:
-        """One step's chunks into the rows' copy 0 -> the final chunks' bonus tokens (host)."""
+    def _prefill(self, plan: list[tuple[Request, int]]):
+        """One step's chunks into the rows' copy 0 -> (the final chunks' bonus tokens, the
+        logprobs of the requests that asked, by rid; host)."""
         chunks = [Chunk(r.row, r.prefilled, r.prompt[r.prefilled:end]) for r, end in plan]
         nexts = [r.prompt[end] if end < len(r.prompt) else None for r, end in plan]
         params = [r.sampling for r, end in plan if end == len(r.prompt)]
         if self.tp.parallel:  # the other ranks prefill the same chunks
             self.tp.channel.send(Message("prefill", self.engine_id, (chunks, nexts, params)))
-        bonus = self.run_chunks(chunks, nexts, params)
-        return bonus.tolist() if params else []
+        rows, k = logprob_rows(plan)
+        bonus, lp = self.run_chunks(chunks, nexts, params,
+                                    torch.tensor(sum(rows.values(), []), device=self.device)
+                                    if rows else None, k)
+        bonus = bonus.tolist() if params else []
+        return bonus, self._logprobs(plan, rows, lp, bonus)
+
+    @staticmethod
+    def _logprobs(plan: list[tuple[Request, int]], rows: dict[int, list[int]], lp,
+                  bonus: list[int]) -> dict:
+        """By rid: (the prompt logprobs of the request's chunk, the bonus's or None)."""
+        if not rows:
+            return {}
+        values, ids = lp[0].cpu(), lp[1].cpu()
+        finals = iter(bonus)
+        out, at = {}, 0
+        for req, end in plan:
+            final = end == len(req.prompt)
+            tok = next(finals) if final else None
+            if req.rid not in rows:
+                continue
+            n = len(rows[req.rid])
+            # row p holds the logprob of token p + 1: the prompt's, or the bonus
+            tokens = req.prompt[end - n + 1:end + 1] + ([tok] if final else [])
+            got = token_logprobs(tokens, values[at:at + n], ids[at:at + n],
+                                 max(req.logprobs or 0, req.prompt_logprobs or 0))
+            at += n
+            prompt = got[:n - final] if req.prompt_logprobs is not None else ()
+            out[req.rid] = (tuple(_top(t, req.prompt_logprobs) for t in prompt),
+                            _top(got[-1], req.logprobs) if final and req.logprobs is not None
+                            else None)
+        return out
 
     def run_chunks(self, chunks: list[Chunk], nexts: list[int | None],
-                   params: list[SamplingParams]) -> torch.Tensor:
-        """Every rank's part of a step's prefill: -> the final chunks' bonus tokens [F]
-        (on the device). ``params``: the final chunks' (``nexts`` None), in order."""
+                   params: list[SamplingParams], lp_rows: torch.Tensor | None = None,
+                   lp_k: int = 0):
+        """Every rank's part of a step's prefill: -> (the final chunks' bonus tokens [F]
+        (on the device), the logprobs of ``lp_rows`` or None: ``eagle.prefill``).
+        ``params``: the final chunks' (``nexts`` None), in order."""
         sampled = [not p.greedy for p in params]
         row_params = RowParams.of(params, self.device) if any(sampled) else None
-        bonus, cand1, seed, q1 = eagle.prefill(self.models, chunks, nexts, self.device,
-                                               with_draft=self.num_steps > 0,
-                                               params=row_params)
-        if not params:
-            return bonus
         final = [c for c, n in zip(chunks, nexts) if n is None]
         rows = [c.req_index for c in final]
+        ends = [c.start + len(c.tokens) for c in final]
+        pen, process = self.penalties, None
+        if pen is not None:  # the prompt's tokens, then the final rows' parameters
+            pen.mark_prompt(chunks)
+            if final:
+                pen.admit(rows, params, ends)
+                at = torch.tensor(rows, device=self.device)
+                before = torch.tensor(ends, device=self.device) - 1  # L = P - 1: row P
+                none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
+                process = lambda x: pen.logits(x.unsqueeze(1), at, before, none).squeeze(1)  # noqa: E731
+        bonus, cand1, seed, q1, lp = eagle.prefill(
+            self.models, chunks, nexts, self.device, with_draft=self.num_steps > 0,
+            params=row_params, lp_rows=lp_rows, lp_k=lp_k, process=process)
+        if not params:
+            return bonus, lp
         slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
-        lengths = torch.tensor([c.start + len(c.tokens) for c in final], device=self.device)
+        lengths = torch.tensor(ends, device=self.device)
+        if pen is not None:  # the first token: the first round counts it
+            pen.stage(slots, bonus.unsqueeze(1), torch.ones_like(bonus))
         self.state.store(slots, lengths, bonus, cand1, seed)
         if self.sampling is not None:
             # every row's parameters, greedy ones too: a sampling chunk gathers all its rows'
@@ -116,4 +167,25 @@ class Prefiller:
                 self.sampling.q1.index_put_((slots,), q1)
         for row, s in zip(rows, sampled):
             self.sampled_rows[row] = s
-        return bonus
+        return bonus, lp
+
+
+def logprob_rows(plan: list[tuple[Request, int]]) -> tuple[dict[int, list[int]], int]:
+    """The prefill batch's rows whose logprobs the plan's requests asked for, by rid (a
+    request's chunk rows for prompt logprobs, else a final chunk's last row for its
+    bonus), and the most top logprobs any asked."""
+    rows, k, at = {}, 0, 0
+    for req, end in plan:
+        n, final = end - req.prefilled, end == len(req.prompt)
+        if req.prompt_logprobs is not None:
+            rows[req.rid] = list(range(at, at + n))
+        elif final and req.logprobs is not None:
+            rows[req.rid] = [at + n - 1]
+        if req.rid in rows:
+            k = max(k, req.logprobs or 0, req.prompt_logprobs or 0)
+        at += n
+    return rows, k
+
+
+def _top(lp: TokenLogprob, k: int | None) -> TokenLogprob:
+    return dataclasses.replace(lp, top=lp.top[:k or 0])

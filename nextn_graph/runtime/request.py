@@ -8,9 +8,30 @@ the request lives in its pool row's committed copy (``copy``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
+
+import torch
 
 from ..sampling import GREEDY, SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its logprob under the target's raw fp32 log-softmax at its position
+    (before temperature, top-p and top-k: what vLLM reports by default)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the k most likely (token, logprob), most likely first
+
+
+def token_logprobs(tokens: Sequence[int], values: torch.Tensor, ids: torch.Tensor,
+                   k: int) -> tuple[TokenLogprob, ...]:
+    """Host rows of a round or a prefill -> one ``TokenLogprob`` per token, with its k top:
+    tokens [n]; values [n, 1+K] fp32 (the token's logprob, then the top K's); ids [n, K]."""
+    values, ids = values[:, :1 + k].tolist(), ids[:, :k].tolist()
+    return tuple(TokenLogprob(t, v[0], tuple(zip(i, v[1:])))
+                 for t, v, i in zip(tokens, values, ids))
 
 
 @dataclass
@@ -27,6 +48,10 @@ class Request:
     prefilled: int = 0
     copy: int = 0  # which of the row's two state copies holds the committed state
     finished: bool = False
+    logprobs: int | None = None  # k: each output token's logprob and its k top (None: off)
+    prompt_logprobs: int | None = None  # k: the same for the prompt's tokens (None: off)
+    # the prompt's logprobs of the chunks prefilled so far (tokens 1..prefilled - 1)
+    prompt_lps: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def committed(self) -> int:
@@ -55,3 +80,8 @@ class StepOutput:
     # drafts the target confirmed in this round (accept_len - 1, before stop and length
     # cuts); None for a prefill's output or a failure
     accepted: int | None = None
+    # one per new token, when the request asked for logprobs
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # on the request's first output, when it asked for prompt logprobs: one per prompt
+    # token, None for the first (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

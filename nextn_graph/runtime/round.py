@@ -16,6 +16,7 @@ from ..graph.kinds import FUSED_ROUND, PHASES, GraphKind
 from . import eagle
 from .buffers import RequestState, RoundBuffers, SamplingTables
 from .eagle import SpecModels
+from .penalty_tables import PenaltyTables
 from ..sampling import RowParams, one_hot, speculative_accept
 
 
@@ -40,6 +41,7 @@ class DecodeRound:
     num_steps: int
     fused: bool = False
     sampling: SamplingTables | None = None
+    penalties: PenaltyTables | None = None  # graph.penalties: applied at every verify row
 
     def __post_init__(self) -> None:
         # computed here, not first inside a traced round (torch.compile)
@@ -84,8 +86,10 @@ class DecodeRound:
     def static_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"bufs.{k}": v for k, v in vars(self.bufs).items()}
         out.update({f"state.{k}": v for k, v in vars(self.state).items()})
-        if self.sampling is not None:
-            out.update({f"sampling.{k}": v for k, v in vars(self.sampling).items()})
+        for name in ("sampling", "penalties"):
+            tables = getattr(self, name)
+            if tables is not None:
+                out.update({f"{name}.{k}": v for k, v in vars(tables).items()})
         return out
 
     def _staged(self, b: int):
@@ -116,12 +120,20 @@ class DecodeRound:
             self.bufs.draft_tokens[:b].copy_(cand1.unsqueeze(1))
         params = self._params(rows, sampled)
         drafts = self.bufs.draft_tokens[:b]
-        out, hidden = eagle.verify(self.m, rows, lengths, bonus, drafts, params)
+        pen, process = self.penalties, None
+        if pen is not None:  # the last round's tokens counted first
+            pen.catch_up(rows, slots, lengths)
+            process = lambda x: pen.logits(x, rows, lengths, drafts[:, :x.shape[1] - 1])  # noqa: E731
+        out, hidden, logits = eagle.verify(self.m, rows, lengths, bonus, drafts, params,
+                                           process)
         if self.num_steps == 0:  # plain decoding: the next state is the one new token
             token = out[:, 0] if params is None else params.next_token(out[:, 0], lengths)
             self.bufs.accept_lens[:b].fill_(1)
             self.bufs.preds[:b, 0].copy_(token)
+            self._logprobs(b, logits, token.unsqueeze(1))
             nxt = self.state.other(slots)
+            if pen is not None:
+                pen.stage(nxt, token.unsqueeze(1), self.bufs.accept_lens[:b])
             self.state.lengths.index_put_((nxt,), lengths + 1)
             self.state.bonus.index_put_((nxt,), token)
             return
@@ -135,7 +147,20 @@ class DecodeRound:
             accept_lens, tokens = speculative_accept(drafts, q, out, params, lengths)
         self.bufs.preds[:b].copy_(tokens)
         self.bufs.accept_lens[:b].copy_(accept_lens)
+        self._logprobs(b, logits, tokens)
+        if pen is not None:
+            pen.stage(self.state.other(slots), tokens, accept_lens)
         self.bufs.hidden[: b * self.verify_width].copy_(hidden)  # for the draft extend
+
+    def _logprobs(self, b: int, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """With graph.logprobs K: the raw logprobs of each window row's token (logits
+        [B, N, V], tokens [B, N]) and the K most likely, into the readout's columns. Rows
+        past a request's accepted length are read back and dropped by the host."""
+        k = self.bufs.top_logprobs
+        if k:
+            values, ids = eagle.token_logprobs(logits, tokens, k)
+            self.bufs.logprobs[:b].copy_(values)
+            self.bufs.top_ids[:b].copy_(ids)
 
     def draft_extend(self, b: int, sampled: bool = False) -> None:
         """Draft extend with ``select_index``; the next state goes to the other copy."""

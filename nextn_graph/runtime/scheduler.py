@@ -18,7 +18,7 @@ from typing import Sequence
 
 from ..memory.pool import KVPool
 from ..sampling import SamplingParams
-from .request import Request, StepOutput
+from .request import Request, StepOutput, TokenLogprob
 from .stats import SpecStats
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,11 @@ class Scheduler:
         return self.num_waiting + len(self.prefilling) + len(self.running)
 
     def add(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int],
-            sampling: SamplingParams) -> int:
+            sampling: SamplingParams, logprobs: int | None = None,
+            prompt_logprobs: int | None = None) -> int:
         """Queue a checked request -> its rid (``next_rid`` before the call)."""
-        req = Request(self.next_rid, prompt, max_new_tokens, stop_ids, sampling)
+        req = Request(self.next_rid, prompt, max_new_tokens, stop_ids, sampling,
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         self.next_rid += 1
         self.waiting.append(req)
         self.live[req.rid] = req
@@ -117,17 +119,26 @@ class Scheduler:
             self.prefilling[req.rid] = req
             left -= len(req.prompt)
 
-    def prefilled(self, plan: list[tuple[Request, int]], bonus: Sequence[int]) -> None:
+    def prefilled(self, plan: list[tuple[Request, int]], bonus: Sequence[int],
+                  logprobs: dict[int, tuple] | None = None) -> None:
         """A step's chunks ran: progress moves; the final chunks' requests run from now,
-        each with its bonus token (``bonus``: the final chunks', in plan order)."""
+        each with its bonus token (``bonus``: the final chunks', in plan order).
+        ``logprobs``: by rid, (the chunk's prompt logprobs, the bonus's or None) for the
+        requests that asked."""
+        logprobs = logprobs or {}
         for req, end in plan:
             req.prefilled = end
+            req.prompt_lps.extend(logprobs.get(req.rid, ((), None))[0])
         done = [req for req, end in plan if end == len(req.prompt)]
         for req, tok in zip(done, bonus):
             del self.prefilling[req.rid]
             req.copy = 0
             self.running[req.row] = req
-            self.commit(req, [tok], [])
+            lp = logprobs.get(req.rid, ((), None))[1]
+            prompt_lps = None
+            if req.prompt_logprobs is not None:
+                prompt_lps, req.prompt_lps = (None, *req.prompt_lps), []
+            self.commit(req, [tok], [], logprobs=lp and (lp,), prompt_logprobs=prompt_lps)
 
     def requeue(self, reqs: list[Request]) -> None:
         """An interrupt cut a prefill short: back to the head of the queue, rows released,
@@ -135,7 +146,7 @@ class Scheduler:
         for req in reversed(reqs):
             self.prefilling.pop(req.rid)
             self.pool.release(req.row)
-            req.row, req.prefilled = 0, 0
+            req.row, req.prefilled, req.prompt_lps = 0, 0, []
             self.waiting.appendleft(req)
         self.num_waiting += len(reqs)
 
@@ -148,13 +159,18 @@ class Scheduler:
         self.pool.release(req.row)
 
     def commit(self, req: Request, tokens: list[int], drafts: list[int],
-               hold: bool = False, accepted: int | None = None) -> None:
-        """``hold``: the request is in the round in flight, which releases its row."""
+               hold: bool = False, accepted: int | None = None,
+               logprobs: tuple[TokenLogprob, ...] | None = None,
+               prompt_logprobs: tuple | None = None) -> None:
+        """``hold``: the request is in the round in flight, which releases its row.
+        ``logprobs``: one per token (cut with the tokens at a stop or the length)."""
         kept = req.emit(tokens)
         self.stats.emitted_tokens += len(kept)
         if req.finished and not hold:
             self.release(req)
-        self.outbox.append(StepOutput(req.rid, kept, req.finished, drafts, accepted=accepted))
+        self.outbox.append(StepOutput(req.rid, kept, req.finished, drafts, accepted=accepted,
+                                      logprobs=logprobs and logprobs[:len(kept)],
+                                      prompt_logprobs=prompt_logprobs))
 
     def fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
         """A fault in one unit of work: its requests fail, with the error, rows released."""

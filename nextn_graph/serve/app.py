@@ -148,10 +148,11 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     check_api_key(request.headers.get("authorization"), settings.api_key)
     info = state.info()
     req = parse_request(await read_json(request, settings.max_body_bytes), info, chat)
-    state.admission.enter()
-    sess = Session(req, state.worker, state.metrics, info.tokenizer, state.admission.leave,
-                   request.is_disconnected)
-    shaper = Shaper(req, info.name)
+    count = len(req.prompts) * req.n  # engine requests: the admission counts them
+    state.admission.enter(count)
+    sess = Session(req, state.worker, state.metrics, info.tokenizer,
+                   lambda: state.admission.leave(count), request.is_disconnected)
+    shaper = Shaper(req, info.name, info.tokenizer)
     sess.submit()
     if req.stream:
         try:
@@ -162,20 +163,21 @@ async def _generate(state: ServerState, request: Request, chat: bool):
         sess.stop_polling()  # streaming: a client that leaves cancels the body's task
         return _Streamed(_events(sess, shaper), sess.close)
     try:
-        pieces = [p async for p in sess.pieces()]
-        return shaper.whole(sess.text.text, sess.tokens, pieces[-1].finish_reason, sess.usage)
+        return shaper.whole([p async for p in sess.pieces()], sess.usage)
     finally:
         sess.close()
 
 
 async def _events(sess: Session, shaper: Shaper):
-    """Server-sent events: a chunk per committed piece, usage in the last, [DONE]; an
-    engine failure mid-stream is an ``error`` event (what OpenAI's clients raise on)."""
+    """Server-sent events: a chunk per committed piece of a choice, the usage in the last
+    (and in every one with continuous_usage_stats), [DONE]; a failure of any choice
+    mid-stream is an ``error`` event (what OpenAI's clients raise on), the end."""
     try:
         if shaper.chat:
-            yield shaper.role_chunk()
+            for chunk in shaper.role_chunks():
+                yield chunk
         async for piece in sess.pieces():
-            every = piece.finish_reason or sess.req.continuous_usage
+            every = sess.done or sess.req.continuous_usage
             yield shaper.chunk(piece, sess.usage if every else None)
         if sess.req.include_usage:
             yield shaper.usage_chunk(sess.usage)

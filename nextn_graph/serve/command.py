@@ -29,7 +29,9 @@ def serve_config(args: argparse.Namespace) -> RunConfig:
     pool = {"max_requests": args.max_requests, "max_context": args.max_context}
     return load_run_config(args.config, checkpoint=args.checkpoint, kernels=args.kernels,
                            pool=pool,
-                           scheduler={"prefill_token_budget": args.prefill_token_budget})
+                           scheduler={"prefill_token_budget": args.prefill_token_budget},
+                           graph={"logprobs": args.max_logprobs,
+                                  "penalties": args.penalties})
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
@@ -52,7 +54,8 @@ def engine_builder(cfg: RunConfig, name: str | None, plain: bool = False):
         info = ModelInfo(name or root.name, mc.vocab_size, mc.eos_token_id,
                          min(cfg.pool.max_context, mc.max_position_embeddings),
                          engine.lookahead, engine.samples,
-                         load_tokenizer(root, mc.vocab_size), load_chat_template(root))
+                         load_tokenizer(root, mc.vocab_size), load_chat_template(root),
+                         engine.max_logprobs, engine.penalizes)
         return engine, info
     return build
 

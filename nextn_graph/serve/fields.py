@@ -45,11 +45,12 @@ def _r(why: str, *neutral) -> Field:
 # Fields both endpoints share, with the same meaning and policy.
 _COMMON = {
     "model": _m("one model is served; the name is checked to be a string, not matched"),
-    "frequency_penalty": _r("penalties are not applied in the round yet", 0),
-    "presence_penalty": _r("penalties are not applied in the round yet", 0),
-    "logit_bias": _r("logit bias is not applied in the round yet", {}),
+    "frequency_penalty": _h("in [-2, 2]: count x penalty off each output token's logit, at "
+                            "every verify row (an engine with graph.penalties)"),
+    "presence_penalty": _h("in [-2, 2]: off the logit of each token the output holds"),
+    "logit_bias": _h("token id -> bias in [-100, 100], added to the logits (up to 300)"),
     "max_tokens": _h("output length; with the prompt and lookahead within the context"),
-    "n": _r("one choice per request", 1),
+    "n": _h("choices per prompt (1..16); with a seed each samples its own stream"),
     "seed": _h("seeds the request's sampling stream"),
     "stop": _h("stop strings, matched on the decoded text"),
     "stream": _h("server-sent events"),
@@ -65,20 +66,23 @@ _EXTENSIONS = {
     "stop_token_ids": _h("token ids that end the request, besides EOS"),
     "return_token_ids": _h("each choice carries its token_ids"),
     "ignore_eos": _h("EOS is not a stop token for the request (it runs to max_tokens)"),
-    "min_tokens": _r("a minimum length is not enforced in the round yet", 0),
-    "min_p": _r("min-p is not applied in the round yet", 0),
-    "repetition_penalty": _r("penalties are not applied in the round yet", 1),
+    "min_tokens": _h("EOS and the stop ids are held back until this many tokens"),
+    "min_p": _h("sampling keeps tokens of at least min_p x the likeliest one's probability"),
+    "repetition_penalty": _h("prompt and output tokens' logits divided (if > 0) or "
+                             "multiplied by it (1: off)"),
     "include_stop_str_in_output": _r("the text always ends before the stop string", False),
     "skip_special_tokens": _r("special tokens are always left out of the text", True),
-    "prompt_logprobs": _r("prompt logprobs are not computed yet"),
+    "prompt_logprobs": _h("per prompt token after the first: its logprob and the k most "
+                          "likely (vLLM's shape)"),
 }
 
 COMPLETIONS = {
     **_COMMON, **_EXTENSIONS,
-    "prompt": _h("text (with the checkpoint's tokenizer), token ids, or a list of one"),
-    "best_of": _r("one candidate per request", 1),
-    "echo": _r("the prompt is not echoed (no prompt logprobs yet)", False),
-    "logprobs": _r("logprobs are not read back from the round yet"),
+    "prompt": _h("text (with the checkpoint's tokenizer), token ids, or a list of up to "
+                 "64 of either (a batch)"),
+    "best_of": _r("no server-side ranking of candidates (vLLM V1 dropped it); use n", 1),
+    "echo": _h("the text, and with logprobs the logprobs, start with the prompt's"),
+    "logprobs": _h("k: each token's logprob with the k most likely (k <= --max-logprobs)"),
     "suffix": _r("no insertion (fill-in-the-middle) mode", ""),
 }
 
@@ -89,8 +93,8 @@ CHAT = {
     "audio": _r("text only"),
     "function_call": _r("no function calling", "none"),
     "functions": _r("no function calling", []),
-    "logprobs": _r("logprobs are not read back from the round yet", False),
-    "top_logprobs": _r("logprobs are not read back from the round yet", 0),
+    "logprobs": _h("true: each output token's logprob"),
+    "top_logprobs": _h("k most likely alternatives per token (with logprobs: true)"),
     "metadata": _m("tags for stored completions; nothing is stored, nothing reads them"),
     "modalities": _r("text only", ["text"]),
     "parallel_tool_calls": _m("only shapes tool calls, and tools are refused"),

@@ -65,20 +65,22 @@ async def read_json(request: "Request", limit: int) -> object:
 
 
 class Admission:
-    """Requests in flight on the server (asyncio side only, so no lock): at most the
-    pool's rows plus ``max_waiting``; past that a 429 with ``Retry-After``."""
+    """Engine requests in flight on the server (a request's choices: prompts x n; asyncio
+    side only, so no lock): at most the pool's rows plus ``max_waiting``; past that a
+    429 with ``Retry-After``. A request larger than that is let in alone (nothing else in
+    flight): its choices queue in the engine, as any others would."""
 
     def __init__(self, rows: int, max_waiting: int, retry_after_s: int):
         self.capacity = rows + max_waiting
         self.retry_after_s = retry_after_s
         self.in_flight = 0
 
-    def enter(self) -> None:
-        if self.in_flight >= self.capacity:
+    def enter(self, count: int = 1) -> None:
+        if self.in_flight and self.in_flight + count > self.capacity:
             raise APIError(429, f"the server is full ({self.in_flight} requests in flight); "
                                 f"retry later", code="queue_full",
                            headers={"Retry-After": str(self.retry_after_s)})
-        self.in_flight += 1
+        self.in_flight += count
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, count: int = 1) -> None:
+        self.in_flight -= count

@@ -49,19 +49,20 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.ready = Gauge(P + "ready", "1 once the engine's graphs are captured", registry=r)
-        self.requests = Counter(P + "requests", "requests ended, by finish reason "
-                                "(stop, length, error, cancelled)", ["reason"], registry=r)
+        self.requests = Counter(P + "requests", "engine requests (choices) ended, by "
+                                "finish reason (stop, length, error, cancelled)", ["reason"], registry=r)
         self.rejected = Counter(P + "rejected", "requests refused before the engine, by "
                                 "HTTP status", ["status"], registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens of requests ended",
+        self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens of requests ended "
+                                     "(each prompt once)",
                                      registry=r)
         self.completion_tokens = Counter(P + "completion_tokens", "completion tokens of "
                                          "requests ended (as in each response's usage), "
                                          "by finish reason", ["reason"], registry=r)
-        self.ttft = Histogram(P + "ttft_seconds", "arrival to the first token",
+        self.ttft = Histogram(P + "ttft_seconds", "arrival to a choice's first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "itl_seconds", "gap between successive token deliveries "
-                             "of a request (a round may deliver several)",
+                             "of a choice (a round may deliver several)",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(P + "request_seconds", "arrival to the end of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
@@ -81,8 +82,8 @@ class ServeMetrics:
                                  "queue or on their way to it", registry=r)
         self.running = Gauge(P + "running_requests", "requests holding a pool row",
                              registry=r)
-        self.in_flight = Gauge(P + "in_flight_requests", "requests admitted by the server "
-                               "and not yet answered", registry=r)
+        self.in_flight = Gauge(P + "in_flight_requests", "engine requests (choices) admitted "
+                               "by the server and not yet answered", registry=r)
         self._per_position: dict[int, list[int]] = {}  # the rate gauges' counts
         self._engine = _EngineCollector()
         r.register(self._engine)

@@ -3,26 +3,39 @@
 
 ``fields.check_fields`` runs first: an unknown field is refused by name, and so is one
 not implemented unless it holds its default (every field's policy: ``fields.py``). Read
-here: ``prompt`` or ``messages``, ``max_tokens`` (chat: or ``max_completion_tokens``),
-``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, and vLLM's ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids``.
+here: ``prompt`` (``prompts.py``: one, or a batch) or ``messages``, ``n``, ``max_tokens``
+(chat: or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``seed``,
+``stop``, ``stream``, ``stream_options.include_usage``, the logprobs fields (completions'
+``logprobs`` and ``echo``, chat's ``logprobs`` and ``top_logprobs``), the penalties
+(``presence_penalty``, ``frequency_penalty``, ``logit_bias``), and vLLM's ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, ``stop_token_ids``,
+``ignore_eos``, ``return_token_ids``.
+
+A request is one engine request per choice: ``n`` choices per prompt, ordered
+prompt-major (choice index = prompt index * n + j, as OpenAI and vLLM number them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..checkpoint.tokenizer import CheckpointTokenizer
 from ..errors import InputError, show_value
-from ..sampling import SamplingParams
+from ..penalties import PENALTY_KEYS
+from ..sampling import SamplingParams, request_seed
 from .chat import ChatTemplate
 from .errors import APIError
 from .fields import check_fields
+from .prompts import bad as _bad
+from .prompts import chat_prompt, checked_ids, completion_prompts
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound
 MAX_STOP_CHARS = 256  # one stop string; the stream holds back this much text at most
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_N = 16  # choices per prompt (each is an engine request; more queue)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", *PENALTY_KEYS)
+NEUTRAL = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -37,13 +50,41 @@ class ModelInfo:
     samples: bool  # the engine takes temperature > 0 (graph.sampling)
     tokenizer: CheckpointTokenizer | None
     chat: ChatTemplate | None
+    max_logprobs: int = 0  # alternatives per token a request may ask (graph.logprobs)
+    penalties: bool = False  # the engine applies penalties (graph.penalties)
+
+
+@dataclass(frozen=True)
+class LogprobAsk:
+    """What a request asks of logprobs. Each k: how many most likely alternatives come
+    with each token (0: the chosen token's logprob alone); None: not asked."""
+
+    output: int | None = None  # completions' logprobs; chat's top_logprobs (logprobs true)
+    prompt: int | None = None  # vLLM's prompt_logprobs
+    echo: bool = False  # completions: the prompt's text first, and its tokens' logprobs
+
+    @property
+    def engine_prompt(self) -> int | None:
+        """The engine's prompt_logprobs: echo with logprobs needs them too."""
+        asked = [k for k in (self.prompt, self.output if self.echo else None) if k is not None]
+        return max(asked, default=None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a request: one engine request."""
+
+    index: int  # in the response: prompt * n + j
+    prompt: int  # which of the request's prompts
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
 class GenRequest:
     """One checked request, ready for the engine."""
 
-    prompt: list[int]
+    prompts: tuple[tuple[int, ...], ...]  # token ids of each prompt (chat: one)
+    n: int  # choices per prompt
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]  # stop strings, matched on the decoded output
@@ -53,10 +94,18 @@ class GenRequest:
     continuous_usage: bool  # every chunk carries the usage so far (with include_usage)
     return_token_ids: bool
     chat: bool
+    logprobs: LogprobAsk = LogprobAsk()
 
-
-def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
+    def choices(self) -> list[Choice]:
+        """Prompt-major. With a seed and n > 1 choice j samples with
+        ``request_seed(seed, j)`` (distinct streams; prompt i's choice j equals the
+        single-prompt request's); greedy choices of a prompt are alike."""
+        def sampling(j: int) -> SamplingParams:
+            if self.n == 1 or self.sampling.seed is None:  # (None: the engine draws one each)
+                return self.sampling
+            return dataclasses.replace(self.sampling, seed=request_seed(self.sampling.seed, j))
+        return [Choice(p * self.n + j, p, sampling(j))
+                for p in range(len(self.prompts)) for j in range(self.n)]
 
 
 def _int(body: dict, key: str, default, low: int, high: int | None = None):
@@ -86,53 +135,6 @@ def _number(body: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def checked_ids(value: list, info: ModelInfo, param: str) -> list[int]:
-    bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int)
-           or not 0 <= t < info.vocab_size]
-    if bad:
-        raise _bad(f"{param}: token id {show_value(bad[0])} is not an integer in "
-                   f"[0, {info.vocab_size})", param)
-    return list(value)
-
-
-def encode_text(text: str, info: ModelInfo, param: str) -> list[int]:
-    if info.tokenizer is None:
-        raise _bad(f"{param}: a text prompt needs the checkpoint's tokenizer.json, and this "
-                   f"checkpoint has none; send token ids instead", param)
-    try:
-        return info.tokenizer.encode(text, param)
-    except InputError as exc:
-        raise _bad(str(exc), param) from None
-
-
-def _prompt(body: dict, info: ModelInfo) -> list[int]:
-    value = body.get("prompt")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
-        return encode_text(value, info, "prompt")
-    if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
-        return checked_ids(value, info, "prompt")
-    if isinstance(value, list) and len(value) > 1:
-        raise _bad("prompt: this server takes one prompt per request", "prompt")
-    raise _bad(f"prompt must be a non-empty string or list of token ids, got "
-               f"{show_value(value)}", "prompt")
-
-
-def chat_prompt(body: dict, info: ModelInfo) -> list[int]:
-    if info.chat is None:
-        raise APIError(400, "this model has no chat template (the checkpoint's "
-                            "tokenizer_config.json has no 'chat_template'); use "
-                            "/v1/completions", param="messages", code="no_chat_template")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages):
-        raise _bad("messages must be a non-empty list of {role, content} objects with "
-                   "string values", "messages")
-    return encode_text(info.chat.render(messages), info, "messages")
-
-
 def _stop(body: dict) -> tuple[str, ...]:
     value = body.get("stop")
     stops = [value] if isinstance(value, str) else value if value is not None else []
@@ -143,22 +145,103 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _sampling(body: dict, info: ModelInfo) -> SamplingParams:
+def _sampling(body: dict, info: ModelInfo, max_tokens: int) -> SamplingParams:
     # OpenAI's default temperature is 1; an engine built greedy-only decodes greedily
     default_t = 1.0 if info.samples else 0.0
-    params = SamplingParams(_number(body, "temperature", default_t),
-                            _number(body, "top_p", 1.0), _int(body, "top_k", 0, 0),
-                            _int(body, "seed", None, 0, 2**63))
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise _bad(f"logit_bias must map token ids to biases, got {show_value(bias)}",
+                   "logit_bias")
+    params = SamplingParams(
+        _number(body, "temperature", default_t), _number(body, "top_p", 1.0),
+        _int(body, "top_k", 0, 0), _int(body, "seed", None, 0, 2**63),
+        min_p=_number(body, "min_p", 0.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0), logit_bias=bias,
+        min_tokens=_int(body, "min_tokens", 0, 0))
     try:
         params = params.checked("sampling")
     except InputError as exc:
-        param = next((k for k in ("temperature", "top_p", "top_k", "seed")
-                      if f": {k} " in str(exc)), None)
-        raise _bad(str(exc).removeprefix("sampling: "), param) from None
+        text = str(exc).removeprefix("sampling: ")
+        param = next((k for k in SAMPLING_FIELDS if text.startswith(k)), None)
+        raise _bad(text, param) from None
     if not params.greedy and not info.samples:
         raise _bad("temperature > 0 samples, but this server's engine is greedy-only "
                    "(graph.sampling: false)", "temperature")
+    given = dataclasses.replace(params, ban_ids=(1,))  # (min_tokens counts once a stop exists)
+    if given.penalized and not info.penalties:
+        name = next(k for k in PENALTY_KEYS if getattr(params, k) != getattr(NEUTRAL, k))
+        raise _bad(f"{name}: this server applies no penalties (start it without "
+                   f"--no-penalties)", name)
+    far = [t for t, _ in params.logit_bias if t >= info.vocab_size]
+    if far:
+        raise _bad(f"logit_bias: token id {far[0]} is outside the vocabulary "
+                   f"[0, {info.vocab_size})", "logit_bias")
+    if params.min_tokens > max_tokens:
+        raise _bad(f"min_tokens {params.min_tokens} exceeds max_tokens {max_tokens}",
+                   "min_tokens")
     return params
+
+
+def _no_logprobs(key: str) -> APIError:
+    return _bad(f"{key}: this server computes no logprobs (start it with --max-logprobs "
+                f"> 0)", key)
+
+
+def _k(body: dict, key: str, info: ModelInfo) -> int | None:
+    """A logprobs count: an integer in [0, info.max_logprobs], or None (the engine
+    computes none when it is 0)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _bad(f"{key} must be an integer >= 0, got {show_value(value)}", key)
+    if info.max_logprobs == 0:
+        raise _no_logprobs(key)
+    if value > info.max_logprobs:
+        raise _bad(f"{key} {value} is more than this server returns: at most "
+                   f"{info.max_logprobs} (nextn-graph serve --max-logprobs)", key)
+    return value
+
+
+def _logprobs(body: dict, info: ModelInfo, chat: bool) -> LogprobAsk:
+    prompt = _k(body, "prompt_logprobs", info)
+    if not chat:
+        return LogprobAsk(_k(body, "logprobs", info), prompt, _flag(body, "echo"))
+    if not _flag(body, "logprobs"):
+        top = body.get("top_logprobs")  # (0 is what a client sends meaning none, as vLLM)
+        if top is not None and not (type(top) is int and top == 0):
+            raise _bad(f"top_logprobs {show_value(top)} needs logprobs: true",
+                       "top_logprobs")
+        return LogprobAsk(None, prompt)
+    if info.max_logprobs == 0:
+        raise _no_logprobs("logprobs")
+    return LogprobAsk(_k(body, "top_logprobs", info) or 0, prompt)
+
+
+def _prompts(body: dict, info: ModelInfo, chat: bool) -> tuple[list[list[int]], int]:
+    """The prompts, and the room each leaves for output (the least of them)."""
+    prompts = [chat_prompt(body, info)] if chat else completion_prompts(body, info)
+    rooms = [info.max_context - info.lookahead - len(p) for p in prompts]
+    for i, (prompt, room) in enumerate(zip(prompts, rooms)):
+        if room < 1:
+            name = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise _bad(f"{name}: the prompt has {len(prompt)} tokens; with {info.lookahead} "
+                       f"positions of verify lookahead the context of {info.max_context} "
+                       f"leaves no room for output", "messages" if chat else "prompt")
+    return prompts, min(rooms)
+
+
+def _max_tokens(body: dict, info: ModelInfo, chat: bool, longest: int, room: int) -> int:
+    key = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
+    default = room if chat else DEFAULT_MAX_TOKENS
+    max_tokens = _int(body, key, min(default, room), 1)
+    if max_tokens > room:
+        raise _bad(f"{key} {max_tokens} + the prompt's {longest} tokens + {info.lookahead} "
+                   f"positions of verify lookahead exceed the context of {info.max_context} "
+                   f"(at most {room} here)", key)
+    return max_tokens
 
 
 def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
@@ -169,19 +252,8 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string", "model")
-    prompt = chat_prompt(body, info) if chat else _prompt(body, info)
-    room = info.max_context - info.lookahead - len(prompt)
-    if room < 1:
-        raise _bad(f"the prompt has {len(prompt)} tokens; with {info.lookahead} positions of "
-                   f"verify lookahead the context of {info.max_context} leaves no room for "
-                   f"output", "messages" if chat else "prompt")
-    key = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
-    default = room if chat else DEFAULT_MAX_TOKENS
-    max_tokens = _int(body, key, min(default, room), 1)
-    if max_tokens > room:
-        raise _bad(f"{key} {max_tokens} + the prompt's {len(prompt)} tokens + {info.lookahead} "
-                   f"positions of verify lookahead exceed the context of {info.max_context} "
-                   f"(at most {room} here)", key)
+    prompts, room = _prompts(body, info, chat)
+    max_tokens = _max_tokens(body, info, chat, max(len(p) for p in prompts), room)
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list):
         raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
@@ -191,7 +263,8 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
     usage = _flag(options, "include_usage", "stream_options.")
-    return GenRequest(prompt, max_tokens, _sampling(body, info), _stop(body), stop_ids,
+    return GenRequest(tuple(tuple(p) for p in prompts), _int(body, "n", 1, 1, MAX_N + 1),
+                      max_tokens, _sampling(body, info, max_tokens), _stop(body), stop_ids,
                       _flag(body, "stream"), usage, usage and _flag(
                           options, "continuous_usage_stats", "stream_options."),
-                      _flag(body, "return_token_ids"), chat)
+                      _flag(body, "return_token_ids"), chat, _logprobs(body, info, chat))

@@ -1,10 +1,13 @@
-"""One request's life on the asyncio side: its job on the engine thread, the text of
-its output as it arrives (stop strings found there), its timings, and its end.
+"""One request's life on the asyncio side: one engine request per choice (its ``Job`` on
+the engine thread), the text of each choice's output as it arrives (stop strings found
+there), its logprobs, timings, and the end of them all.
 
-``Session.pieces()`` yields ``Piece``s as the engine commits tokens and ends with a
-finish reason; a ``Failure`` from the engine thread becomes an ``APIError``. ``close()``
-always runs (the handler's ``finally``): a request that has not ended by then lost its
-client, so its engine request is aborted and its row freed at the next round.
+``Session.pieces()`` yields ``Piece``s, each what one engine event added to one choice,
+until every choice has its finish reason. A ``Failure`` of any choice fails the whole
+request: it becomes an ``APIError``, and ``close()`` aborts the other choices. ``close()``
+always runs (the handler's ``finally``): a choice that has not ended by then lost its
+client (or a sibling failed), so its engine request is aborted and its row freed at the
+next round. No choice is left running.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from ..checkpoint.tokenizer import CheckpointTokenizer
+from ..runtime.request import StepOutput, TokenLogprob
+from .detokenize import TextStream
 from .errors import APIError
 from .metrics import ServeMetrics
 from .protocol import GenRequest
@@ -23,85 +28,66 @@ from .worker import EngineWorker, Failure, Job
 DISCONNECT_POLL_S = 0.25  # a non-streamed request checks its client this often
 
 
-class TextStream:
-    """Detokenizes an output as it grows; text that might still become a stop string
-    (or an incomplete UTF-8 character) is held back until it cannot.
-
-    Incremental, as vLLM's and TGI's detokenizers: a push decodes only the window of ids
-    since the prefix offset, ``ids[prefix:read]`` and ``ids[prefix:]``; the difference is
-    the text of ``ids[read:]``. When it does not end in U+FFFD (a character still coming)
-    it is final: the offsets move on (prefix to read, read to the end) and the window
-    shrinks. The prefix keeps a little context before the new ids, for tokenizers whose
-    decode of a piece depends on what precedes it. Special tokens, which decoding leaves
-    out anyway, never enter the window (a run of EOS under ignore_eos cannot widen it);
-    a window only grows while its text keeps ending in U+FFFD (bytes that are no UTF-8).
-    Text and stops are exactly as when the whole output was decoded on every push, for
-    byte-level tokenizers (the served one: a piece that starts on a character boundary
-    decodes alike whatever precedes it; pending text before its trailing U+FFFD is final)."""
-
-    def __init__(self, tokenizer: CheckpointTokenizer | None, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self._skip = tokenizer.special_ids if tokenizer is not None else frozenset()
-        self._window: list[int] = []  # ids[prefix:], special tokens left out
-        self._read = 0  # the read offset, in the window
-        self._unsent = ""  # final text not given out yet
-        self._ahead = 0  # characters of the pending text (of ids[read:]) given out already
-        self._parts: list[str] = []  # everything given out
-        self.decoded = 0  # ids decoded over all pushes (the work; bounded per push)
-        self.stopped = False  # a stop string matched: the text ends before it
-
-    @property
-    def text(self) -> str:
-        return "".join(self._parts)
-
-    def push(self, tokens: list[int], final: bool) -> str:
-        """The new text that is safe to send."""
-        if self.tokenizer is None:
-            return ""
-        self._window.extend(t for t in tokens if t not in self._skip)
-        pending = self._pending(final)[self._ahead:]  # (this may move text to _unsent)
-        view = self._unsent + pending  # the text not given out yet
-        # (an earlier match would have been found: hold covers any stop's length - 1)
-        found = [i for i in (view.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.stopped = True
-            return self._give(view, min(found))
-        safe = len(view) if final else len(view) - self.hold
-        while not final and safe > 0 and view[safe - 1] == "\ufffd":
-            safe -= 1  # maybe the first bytes of a character still coming
-        return self._give(view, max(safe, 0))
-
-    def _pending(self, final: bool) -> str:
-        """Decode the window; move the offsets on when its new text is final (always on
-        the last push). Returns the text that is not final yet."""
-        window, read = self._window, self._read
-        before = self.tokenizer.decode(window[:read])
-        text = self.tokenizer.decode(window)
-        self.decoded += read + len(window)
-        new = text[len(before):]
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
-            return new
-        self._unsent += new[self._ahead:]
-        self._ahead = 0
-        del window[:read]  # the prefix moves to the read offset,
-        self._read = len(window)  # the read offset to the end
-        return ""
-
-    def _give(self, view: str, end: int) -> str:
-        delta = view[:end]
-        taken = min(end, len(self._unsent))
-        self._unsent = self._unsent[taken:]
-        self._ahead += end - taken  # (only with nothing final left unsent)
-        self._parts.append(delta)
-        return delta
-
-
 @dataclass(frozen=True)
 class Piece:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # stop | length, on the last piece
+    """What one engine event added to one choice."""
+
+    index: int  # the choice's
+    text: str  # the new text that is safe to send
+    token_ids: list[int]  # committed in the event
+    logprobs: tuple[TokenLogprob, ...] | None  # one per token id, when asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None  # first piece, when asked
+    finish_reason: str | None  # stop | length, on the choice's last piece
+
+    @staticmethod
+    def join(pieces: list["Piece"]) -> "Piece":
+        """One choice's pieces as one (a whole response)."""
+        logprobs = None if pieces[0].logprobs is None else tuple(
+            e for p in pieces for e in p.logprobs)
+        return Piece(pieces[0].index, "".join(p.text for p in pieces),
+                     [t for p in pieces for t in p.token_ids], logprobs,
+                     pieces[0].prompt_logprobs, pieces[-1].finish_reason)
+
+
+class _Run:
+    """One choice: its job, its output so far, its end."""
+
+    def __init__(self, job: Job, tokenizer: CheckpointTokenizer | None):
+        self.job = job
+        self.text = TextStream(tokenizer, job.req.stop)
+        self.tokens: list[int] = []
+        self.started = False  # an event came
+        self.last: float | None = None  # when the last event came
+        self.finish_reason: str | None = None  # stop | length | error, once ended
+
+    def take(self, event: StepOutput) -> Piece:
+        """The event's piece; an ``APIError`` (500) when the engine left out logprobs
+        that were asked."""
+        req, toks = self.job.req, list(event.new_tokens)
+        ask, first = req.logprobs, not self.started
+        self.started = True
+        logprobs = prompt = None
+        if ask.output is not None:
+            logprobs = _checked(event.logprobs, len(toks), "logprobs")
+        if ask.engine_prompt is not None and first:
+            prompt = _checked(event.prompt_logprobs, len(req.prompts[self.job.choice.prompt]),
+                              "prompt_logprobs")
+        self.tokens.extend(toks)
+        delta = self.text.push(toks, final=event.finished)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif event.finished:
+            hit = bool(toks) and toks[-1] in req.stop_ids
+            self.finish_reason = "stop" if hit else "length"
+        return Piece(self.job.choice.index, delta, toks, logprobs, prompt, self.finish_reason)
+
+
+def _checked(entries: tuple | None, count: int, what: str) -> tuple:
+    if entries is None or len(entries) != count:
+        got = "none" if entries is None else len(entries)
+        raise APIError(500, f"the engine returned {got} {what} for {count} tokens",
+                       code="engine_fault")
+    return entries
 
 
 class Session:
@@ -109,21 +95,26 @@ class Session:
                  tokenizer: CheckpointTokenizer | None, on_close: Callable[[], None],
                  disconnected: Callable | None = None):
         self.req, self.worker, self.metrics = req, worker, metrics
-        self.job = Job(req, asyncio.get_running_loop())
-        self.text = TextStream(tokenizer, req.stop)
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None  # stop | length | error, once ended
+        loop, self.events = asyncio.get_running_loop(), asyncio.Queue()  # of (index, Event)
+        self.runs = [_Run(Job(req, c, loop, self.events), tokenizer) for c in req.choices()]
+        self.failed = False  # a choice failed: the request did
         self._on_close, self._disconnected = on_close, disconnected
         self._closed = False
         self._first = None  # the first event, once ``first_event`` has waited for it
-        self.start = self._last = time.perf_counter()
+        self.start = time.perf_counter()
 
     def submit(self) -> None:
-        self.worker.submit(self.job)
+        self.worker.submit([run.job for run in self.runs])
+
+    @property
+    def done(self) -> bool:
+        return all(run.finish_reason is not None for run in self.runs)
 
     @property
     def usage(self) -> dict:
-        n, m = len(self.req.prompt), len(self.tokens)
+        """Every prompt's tokens once, every choice's output (as vLLM counts)."""
+        n = sum(len(p) for p in self.req.prompts)
+        m = sum(len(run.tokens) for run in self.runs)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
     def stop_polling(self) -> None:
@@ -131,60 +122,62 @@ class Session:
 
     async def first_event(self) -> None:
         """Wait for the request's first event (its first tokens, or its refusal) before
-        a stream's headers go out, so a refusal keeps its HTTP status (400, 503)."""
-        event = self._first = await self._next()
+        a stream's headers go out, so a refusal keeps its HTTP status (400, 503). (The
+        engine thread admits a request's choices together: a refusal comes first.)"""
+        index, event = self._first = await self._next()
         if isinstance(event, Failure):
-            self.finish_reason = "error"
-            raise APIError(event.status, event.message)
+            raise self._fail(self.runs[index], event.status, event.message)
 
-    async def _next(self):
+    def _fail(self, run: _Run, status: int, message: str, code: str | None = None) -> APIError:
+        run.finish_reason, self.failed = "error", True
+        return APIError(status, message, code=code or ("engine_fault" if status == 500 else None))
+
+    async def _next(self) -> tuple[int, object]:
         if self._first is not None:
             event, self._first = self._first, None
             return event
         if self._disconnected is None:
-            return await self.job.events.get()
+            return await self.events.get()
         while True:  # a non-streamed request: notice a client that went away
             try:
-                return await asyncio.wait_for(self.job.events.get(), DISCONNECT_POLL_S)
+                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await self._disconnected():  # (close() aborts the engine request)
+                if await self._disconnected():  # (close() aborts the engine requests)
                     raise APIError(499, "the client disconnected", code="client_closed")
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        while self.finish_reason is None:
-            event = await self._next()
+        while not self.done:
+            index, event = await self._next()
+            run = self.runs[index]
+            if run.finish_reason is not None:  # stopped by a stop string: rounds in flight
+                continue
             if isinstance(event, Failure):
-                self.finish_reason = "error"
-                raise APIError(event.status, event.message,
-                               code="engine_fault" if event.status == 500 else None)
+                raise self._fail(run, event.status, event.message)
             now = time.perf_counter()
-            (self.metrics.itl if self.tokens else self.metrics.ttft).observe(
-                now - (self._last if self.tokens else self.start))
-            self._last = now
-            toks = list(event.new_tokens)
-            self.tokens.extend(toks)
-            delta = self.text.push(toks, final=event.finished)
-            if self.text.stopped:
-                self.finish_reason = "stop"
-                if not event.finished:  # the engine would go on: free the row now
-                    self.worker.abort(self.job)
-            elif event.finished:
-                hit = bool(toks) and toks[-1] in self.req.stop_ids
-                self.finish_reason = "stop" if hit else "length"
-            yield Piece(delta, toks, self.finish_reason)
+            (self.metrics.itl if run.started else self.metrics.ttft).observe(
+                now - (run.last if run.started else self.start))
+            run.last = now
+            try:
+                piece = run.take(event)
+            except APIError as exc:
+                raise self._fail(run, exc.status, exc.message, exc.code) from None
+            if run.text.stopped and not event.finished:  # the engine would go on
+                self.worker.abort(run.job)  # free the row now
+            yield piece
 
     def close(self) -> None:
         """Idempotent; runs when the handler ends, however it ends."""
         if self._closed:
             return
         self._closed = True
-        reason = self.finish_reason
-        if reason is None:  # the client went away mid-request
-            self.worker.abort(self.job)
-            reason = "cancelled"
         m = self.metrics
-        m.requests.labels(reason).inc()
-        m.prompt_tokens.inc(len(self.req.prompt))
-        m.completion_tokens.labels(reason).inc(len(self.tokens))
+        for run in self.runs:
+            reason = run.finish_reason
+            if reason is None:  # the client went away mid-request, or a sibling failed
+                self.worker.abort(run.job)
+                reason = "error" if self.failed else "cancelled"
+            m.requests.labels(reason).inc()
+            m.completion_tokens.labels(reason).inc(len(run.tokens))
+        m.prompt_tokens.inc(self.usage["prompt_tokens"])
         m.e2e.observe(time.perf_counter() - self.start)
         self._on_close()

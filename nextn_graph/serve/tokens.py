@@ -18,7 +18,8 @@ from ..errors import show_value
 from .errors import APIError
 from .fields import HONOURED, METADATA, REFUSED, Field, check_table
 from .limits import check_api_key, read_json
-from .protocol import ModelInfo, chat_prompt, checked_ids, encode_text
+from .prompts import chat_prompt, checked_ids, encode_text
+from .protocol import ModelInfo
 
 _MODEL = Field(METADATA, "one model is served; the name is not matched")
 TOKENIZE = {

@@ -2,8 +2,9 @@
 
 The asyncio side never calls the engine. It sends commands (add, abort, drain, stop)
 through a thread-safe queue; the thread admits them between steps, steps while there
-is work, and hands each request's ``StepOutput``s (or a ``Failure``) to that request's
-asyncio queue with ``loop.call_soon_threadsafe``. The engine is built on this thread
+is work, and hands each engine request's ``StepOutput``s (or a ``Failure``) to its HTTP
+request's asyncio queue with ``loop.call_soon_threadsafe``. An HTTP request is one
+engine request per choice (a ``Job`` each), added in one command: all, or none. The engine is built on this thread
 after the server is listening, so ``/health`` answers 503 until capture is done.
 
 Draining (SIGTERM): new requests are refused with 503; requests in flight run on until
@@ -18,14 +19,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import InputError
 from ..runtime.engine import SpecEngine
 from ..runtime.request import StepOutput
 from .metrics import ServeMetrics
-from .protocol import GenRequest, ModelInfo
+from .protocol import Choice, GenRequest, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,18 @@ Event = StepOutput | Failure
 
 @dataclass(eq=False)
 class Job:
-    """One request between its handler (asyncio) and the engine thread."""
+    """One engine request (one choice of an HTTP request) between its handler (asyncio)
+    and the engine thread."""
 
     req: GenRequest
+    choice: Choice
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # of Event
+    events: asyncio.Queue  # of (choice index, Event): one queue for a request's jobs
     rid: int | None = None  # the engine's id, set on the engine thread
 
     def deliver(self, event: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.choice.index, event))
         except RuntimeError:  # the loop is closed: the handler is gone
             pass
 
@@ -76,8 +79,9 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        self._commands.put(("add", job))
+    def submit(self, jobs: list[Job]) -> None:
+        """A request's jobs (its choices), admitted together."""
+        self._commands.put(("add", jobs))
 
     def abort(self, job: Job) -> None:
         """The client went away (or a stop string matched): free the request's row."""
@@ -136,17 +140,31 @@ class EngineWorker:
             elif kind == "drain":
                 self._deadline = time.monotonic() + arg
 
-    def _add(self, job: Job) -> None:
+    def _add(self, jobs: list[Job]) -> None:
+        """Admit a request's choices all, or none: one refused (its ``Failure`` sent)
+        aborts those of its siblings already added."""
         if self._deadline is not None:
-            return job.deliver(Failure(503, "the server is shutting down"))
-        r = job.req
+            return jobs[0].deliver(Failure(503, "the server is shutting down"))
+        for job in jobs:
+            failure = self._add_one(job)
+            if failure is not None:
+                for added in jobs:
+                    if added.rid is not None and self._jobs.pop(added.rid, None) is not None:
+                        self.engine.abort(added.rid)
+                return job.deliver(failure)
+
+    def _add_one(self, job: Job) -> Failure | None:
+        r, c = job.req, job.choice
         try:
-            job.rid = self.engine.add_request(r.prompt, r.max_tokens, r.stop_ids, r.sampling)
+            job.rid = self.engine.add_request(list(r.prompts[c.prompt]), r.max_tokens,
+                                              r.stop_ids, c.sampling, r.logprobs.output,
+                                              r.logprobs.engine_prompt)
         except InputError as exc:
-            return job.deliver(Failure(400, str(exc)))
+            return Failure(400, str(exc))
         except Exception as exc:  # a broken engine (a failed tensor-parallel group)
-            return job.deliver(Failure(500, f"{type(exc).__name__}: {exc}"))
+            return Failure(500, f"{type(exc).__name__}: {exc}")
         self._jobs[job.rid] = job
+        return None
 
     def _expire(self) -> None:
         if self._deadline is None or time.monotonic() < self._deadline:
@@ -183,3 +201,4 @@ class EngineWorker:
     def _end(self, job: Job, event: Event) -> None:
         self._jobs.pop(job.rid, None)
         job.deliver(event)
+

@@ -134,9 +134,10 @@ def schedule(seed: int) -> list[tuple[int, list[int], int]]:
     return out
 
 
-def drive(eng: SpecEngine, sched, faults: Faults, fire_from: int):
+def drive(eng: SpecEngine, sched, faults: Faults, fire_from: int, sampling=None):
     """Run ``sched`` to completion; faults may fire from step ``fire_from`` on.
-    -> (outputs, errors) by schedule index."""
+    ``sampling``: request i's parameters (None: greedy). -> (outputs, errors) by
+    schedule index."""
     points = set(faults.points)
     faults.points = set()
     rid_of, outputs, errors = {}, defaultdict(list), {}
@@ -145,7 +146,8 @@ def drive(eng: SpecEngine, sched, faults: Faults, fire_from: int):
         assert steps < 300, "engine did not finish"
         for i, (at, prompt, max_new) in enumerate(sched):
             if at == steps:
-                rid_of[eng.add_request(prompt, max_new, stop_ids=[])] = i
+                rid_of[eng.add_request(prompt, max_new, stop_ids=[],
+                                       sampling=sampling and sampling[i])] = i
         if steps == fire_from:
             faults.points = points
         steps += 1

@@ -252,15 +252,26 @@ def homogeneity(a: list[tuple], b: list[tuple]) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, top_k=8),
-                                     dict(temperature=1.3, top_p=0.9)],
-                         ids=["t1.0", "t0.7-topk8", "t1.3-topp0.9"])
+                                     dict(temperature=1.3, top_p=0.9),
+                                     dict(temperature=1.0, min_p=0.02, repetition_penalty=1.6,
+                                          frequency_penalty=0.8)],
+                         ids=["t1.0", "t0.7-topk8", "t1.3-topp0.9", "t1.0-penalties"])
 def test_speculative_sampling_is_lossless_in_distribution(trained, setting, monkeypatch):
+    """(With penalties: the target's p at every verify row is the penalised one, with
+    the window's drafts counted, and the plain reference penalises token by token.)"""
     plain = plain_generate(trained.target, [PROMPT] * N, K, stop_ids=[],
                            sampling=[dict(setting, seed=i) for i in range(N)]).outputs
+    graph = None
+    if "min_p" in setting:  # the penalties change the distribution the test compares
+        graph = GraphConfig(backend="eager", penalties=True)
+        bare = plain_generate(trained.target, [PROMPT] * N, K, stop_ids=[],
+                              sampling=[dict(temperature=1.0, seed=i) for i in range(N)])
+        stat, dof = homogeneity([tuple(o) for o in plain], [tuple(o) for o in bare.outputs])
+        assert stat > chi2_limit(dof), (stat, dof)
 
     def speculative() -> tuple[list[tuple], float]:
         eng = SpecEngine(trained.target, trained.draft, SPEC,
-                         PoolConfig(max_requests=64, max_context=32), None)
+                         PoolConfig(max_requests=64, max_context=32), graph)
         res = eng.generate([PROMPT] * N, K, stop_ids=[],
                            sampling=[dict(setting, seed=10**6 + i) for i in range(N)])
         return [tuple(o) for o in res.outputs], res.stats["acceptance_length"]

@@ -1,4 +1,4 @@
-"""Incremental detokenization (``serve.session.TextStream``) with the tiny-trained
+"""Incremental detokenization (``serve.detokenize.TextStream``) with the tiny-trained
 byte-level tokenizer: the text streamed over any split of the output into pushes is the
 decode of the whole output (cut before the first stop string), multi-byte characters
 split across tokens included, and the ids decoded per push stay bounded however long
@@ -12,7 +12,7 @@ import pytest
 
 from nextn_graph.checkpoint.loader import resolve_checkpoint
 from nextn_graph.checkpoint.tokenizer import load_tokenizer
-from nextn_graph.serve.session import TextStream
+from nextn_graph.serve.detokenize import TextStream
 
 # 2- to 4-byte characters, ASCII, and the special ids 0 (<bos>) and 1 (<eos>)
 TEXT = "héllo wörld, naïve €5 — 日本語 𝄞 ok. "

@@ -14,7 +14,8 @@ import pytest
 
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import load_run_config
-from nextn_graph.runtime.generate import plain_generate
+from nextn_graph.runtime.generate import plain_generate, reference_generate
+from nextn_graph.sampling import SamplingParams
 from nextn_graph.serve.errors import APIError
 from nextn_graph.serve.fields import CHAT, COMPLETIONS, HONOURED, METADATA, REFUSED
 from nextn_graph.serve.limits import ServeSettings
@@ -28,6 +29,10 @@ MAX_CONTEXT = 128
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]  # "Hello, my"
 EOS_AT = 3  # the served EOS is greedy's 4th output token for PROMPT
 MESSAGES = [{"role": "user", "content": "Hi"}]
+MAX_LOGPROBS = 3
+# An honoured field that means something only beside another: both go in the base it is
+# compared with, so the change is the field's own.
+COMPANIONS = {"top_logprobs": {"logprobs": True}}
 
 # OpenAI's request schemas (API reference), field by field.
 OPENAI_COMPLETIONS = {
@@ -81,9 +86,10 @@ def server(tmp_path_factory):
     config["eos_token_id"] = greedy[EOS_AT]
     (root / "config.json").write_text(json.dumps(config))
     cfg = load_run_config(None, checkpoint=str(root),
-                          pool={"max_requests": 2, "max_context": MAX_CONTEXT})
+                          pool={"max_requests": 2, "max_context": MAX_CONTEXT},
+                          graph={"logprobs": MAX_LOGPROBS, "penalties": True})
     with ServerThread(cfg, ServeSettings(port=0)) as srv:
-        srv.greedy = greedy
+        srv.greedy, srv.target = greedy, target
         srv.http = httpx.Client(base_url=srv.url, timeout=60)
         yield srv
         srv.http.close()
@@ -129,7 +135,8 @@ def test_every_field_is_honoured_or_refused_by_name(server, chat):
     assert set(examples) == set(table)
     everything = _base(chat)
     for name, field in table.items():
-        body = {**_base(chat), name: examples[name]}
+        base = {**_base(chat), **COMPANIONS.get(name, {})}
+        body = {**base, name: examples[name]}
         if field.policy == REFUSED:
             message = _refused(server, _path(chat), body, name)
             assert "not supported by this server (yet)" in message
@@ -139,7 +146,7 @@ def test_every_field_is_honoured_or_refused_by_name(server, chat):
         else:
             if name == "max_completion_tokens":  # (max_tokens wins when both are given)
                 del body["max_tokens"]
-            changed = parse_request(body, info, chat) != parse_request(_base(chat), info, chat)
+            changed = parse_request(body, info, chat) != parse_request(base, info, chat)
             assert changed == (field.policy == HONOURED), name
             everything[name] = examples[name]
     r = server.http.post(_path(chat), json=everything)
@@ -148,7 +155,10 @@ def test_every_field_is_honoured_or_refused_by_name(server, chat):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
-    assert all("token_ids" in c["choices"][0] for c in chunks[1 if chat else 0:-1])
+    content = [c["choices"][0] for c in chunks[:-1]
+               if not (chat and "role" in c["choices"][0]["delta"])]  # (not the role chunks)
+    assert all("token_ids" in c and c["logprobs"] is not None for c in content)
+    assert {c["index"] for c in content} == {0, 1}  # n = 2
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -208,6 +218,37 @@ def test_ignore_eos_runs_to_max_tokens(server):
             ids, reason = r.json()["choices"][0]["token_ids"], r.json()["choices"][0][
                 "finish_reason"]
         assert ids == server.greedy and reason == "length"
+
+
+def test_penalties_and_min_tokens_are_applied(server):
+    """A greedy request with penalties and a logit bias gets the tokens of the oracle that
+    applies them token by token; min_tokens holds the served EOS back."""
+    eos = server.greedy[EOS_AT]
+    pen = {"logit_bias": {"101": 15.0}, "frequency_penalty": 1.5, "presence_penalty": 0.5}
+    for extra, n, stops in ((pen, 8, set()), ({"min_tokens": 6}, 8, {eos})):
+        body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "return_token_ids": True,
+                "ignore_eos": not stops, **extra}
+        got = server.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        want = reference_generate(server.target, [PROMPT], n, stop_ids=stops,
+                                  max_context=MAX_CONTEXT,
+                                  sampling=SamplingParams(seed=0, **extra)).outputs[0]
+        assert got == want and got != server.greedy, extra
+    assert eos not in got[:6]
+
+
+def test_penalty_refusals_name_the_field(server):
+    for extra, param in [({"presence_penalty": 3}, "presence_penalty"),
+                         ({"logit_bias": {"999": 1}}, "logit_bias"),
+                         ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"logit_bias": [1, 2]}, "logit_bias"),
+                         ({"min_tokens": 9}, "min_tokens"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"min_p": 2}, "min_p")]:
+        _refused(server, "/v1/completions", {**_base(False), **extra}, param)
+    info = dataclasses.replace(server.state.worker.info, penalties=False)
+    with pytest.raises(APIError) as exc:
+        parse_request({**_base(False), "min_tokens": 1}, info, False)
+    assert exc.value.param == "min_tokens" and "no penalties" in exc.value.message
 
 
 def test_tokenize_and_detokenize(server):

@@ -114,3 +114,17 @@ def test_serve_passes_the_prefill_budget_to_the_engine(capsys):
     assert main(["serve", "--port", "0", "--log-level", "critical",
                  "--prefill-token-budget", "-1"]) == 2
     assert "scheduler.prefill_token_budget" in capsys.readouterr().err
+
+
+def test_serve_passes_max_logprobs_to_the_engine(capsys):
+    """--max-logprobs (default 20, as vLLM's) sets graph.logprobs; a bad value exits 2
+    naming the key."""
+    from nextn_graph.cli.commands import build_parser, main
+    from nextn_graph.serve.command import serve_config
+
+    assert serve_config(build_parser().parse_args(["serve"])).graph.logprobs == 20
+    args = build_parser().parse_args(["serve", "--max-logprobs", "3"])
+    assert serve_config(args).graph.logprobs == 3
+    assert main(["serve", "--port", "0", "--log-level", "critical",
+                 "--max-logprobs", "-1"]) == 2
+    assert "graph.logprobs" in capsys.readouterr().err

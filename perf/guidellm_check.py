@@ -45,13 +45,17 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--max-requests", type=int, default=8, help="pool rows")
+    ap.add_argument("--max-waiting", type=int, default=1024,
+                    help="serve --max-waiting: at least guidellm's 512 streams of its throughput "
+                         "stage, whose requests a smaller queue answers 429 (errors to guidellm)")
+    ap.add_argument("--keep", help="also write guidellm's JSON report here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         root, out = checkpoint(tmp), tmp / "benchmarks.json"
         cfg = load_run_config(None, checkpoint=str(root),
                               pool={"max_requests": args.max_requests, "max_context": 512})
-        with ServerThread(cfg, ServeSettings(port=0, max_waiting=256)) as srv:
+        with ServerThread(cfg, ServeSettings(port=0, max_waiting=args.max_waiting)) as srv:
             cmd = [args.guidellm, "run",
                    "--backend", f"kind=openai_http,target={srv.url},model=tiny-trained,"
                    f"request_format=/v1/completions",
@@ -59,14 +63,16 @@ def main() -> int:
                    "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"
                    f"output_tokens={args.output_tokens}",
                    "--profile", f"kind=sweep,sweep_size={args.sweep_size}",
-                   "--constraint", f"kind=max_duration,value={args.seconds}",
-                   "--output", f"kind=json,filename={out}",
+                   "--constraint", f"kind=max_duration,seconds={args.seconds}",
+                   "--output", f"kind=json,path={out}",
                    "--disable-console-interactive"]
             run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0 or not out.exists():
             print(run.stdout[-4000:], run.stderr[-6000:], sep="\n")
             return 1
         report = json.loads(out.read_text())
+        if args.keep:
+            Path(args.keep).write_text(out.read_text())
     benches = report.get("benchmarks", [])
     errored = 0
     for b in benches:

@@ -62,7 +62,7 @@ _COMMON = {
 
 # vLLM's extensions (its spelling): the ones this server implements or refuses by name.
 _EXTENSIONS = {
-    "top_k": _h("top-k sampling (0: off)"),
+    "top_k": _h("top-k sampling (0 or vLLM's -1: off)"),
     "stop_token_ids": _h("token ids that end the request, besides EOS"),
     "return_token_ids": _h("each choice carries its token_ids"),
     "ignore_eos": _h("EOS is not a stop token for the request (it runs to max_tokens)"),

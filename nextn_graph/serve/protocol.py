@@ -154,7 +154,7 @@ def _sampling(body: dict, info: ModelInfo, max_tokens: int) -> SamplingParams:
                    "logit_bias")
     params = SamplingParams(
         _number(body, "temperature", default_t), _number(body, "top_p", 1.0),
-        _int(body, "top_k", 0, 0), _int(body, "seed", None, 0, 2**63),
+        max(_int(body, "top_k", 0, -1), 0), _int(body, "seed", None, 0, 2**63),  # -1: off
         min_p=_number(body, "min_p", 0.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),

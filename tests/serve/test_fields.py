@@ -251,6 +251,14 @@ def test_penalty_refusals_name_the_field(server):
     assert exc.value.param == "min_tokens" and "no penalties" in exc.value.message
 
 
+def test_top_k_minus_one_is_off(server):
+    """vLLM's clients send top_k -1 for "off": the same request as 0; below is a 400."""
+    info, base = server.state.worker.info, {**_base(False), "temperature": 0.7, "seed": 1}
+    assert parse_request({**base, "top_k": -1}, info, False) == parse_request(
+        {**base, "top_k": 0}, info, False)
+    _refused(server, "/v1/completions", {**base, "top_k": -2}, "top_k")
+
+
 def test_tokenize_and_detokenize(server):
     info = server.state.worker.info
     got = server.http.post("/tokenize", json={"prompt": "Hello, my", "model": "x"}).json()

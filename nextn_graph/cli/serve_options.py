@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import KERNEL_MODES
-from ..serve.limits import API_KEY_ENV, ServeSettings
+from ..serve.limits import API_KEY_ENV, ENGINE_HOSTS, ServeSettings
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's max_logprobs default
 KERNELS_HELP = ("fused kernels (YAML kernels): auto = the device's, reference = the exact aten "
@@ -48,6 +48,10 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
                         help="seconds requests in flight get to finish after SIGTERM")
     parser.add_argument("--model-name", default=None,
                         help="the model id served (default: the checkpoint's name)")
+    parser.add_argument("--engine-thread", action="store_true",
+                        help="run the engine on a thread of the server's process (sharing "
+                             "its interpreter lock with HTTP, JSON and tokenizing) instead "
+                             "of in its own process")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -101,6 +105,9 @@ def add_serve_commands(sub, positive, add_threads) -> None:
     bench.add_argument("--max-requests", type=positive, default=None,
                        help="pool rows (default: the largest concurrency level, at most 32)")
     bench.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    bench.add_argument("--engine", choices=ENGINE_HOSTS, default=ServeSettings.engine,
+                       help="where each server's engine runs: its own process, or a thread "
+                            "of the server's (perf/serve_split.py compares the two)")
     bench.add_argument("--out", default="bench_serve_out", help="directory for JSON, "
                                                                 "Markdown and PNG")
     add_threads(bench)

@@ -2,8 +2,9 @@
 and vLLM's /tokenize and /detokenize (``tokens``).
 
 Every refusal is an ``APIError`` rendered in OpenAI's error shape (unknown routes and
-unexpected exceptions too: a client never sees a traceback). The engine lives on its
-own thread (``worker``), started with the app and stopped after its last request.
+unexpected exceptions too: a client never sees a traceback). The engine lives in its own
+process or on a thread (``worker``, ``engine_host``), started with the app and stopped
+after its last request.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from ..runtime.engine import SpecEngine
+from .build import EngineFacts
 from .errors import APIError
 from .limits import Admission, ServeSettings, check_api_key, read_json
 from .metrics import ServeMetrics
@@ -26,7 +27,7 @@ from .protocol import ModelInfo, parse_request
 from .responses import DONE, Shaper, sse
 from .session import Session
 from .tokens import add_token_routes
-from .worker import EngineWorker
+from .worker import EngineWorker, Host
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,11 @@ log = logging.getLogger(__name__)
 class ServerState:
     """Everything one app instance owns (no module globals)."""
 
-    def __init__(self, settings: ServeSettings, build, rows: int, on_failed):
+    def __init__(self, settings: ServeSettings, host: Host,
+                 describe: Callable[[EngineFacts], ModelInfo], rows: int, on_failed):
         self.settings = settings
         self.metrics = ServeMetrics()
-        self.worker = EngineWorker(build, self.metrics, on_failed)
+        self.worker = EngineWorker(host, describe, self.metrics, on_failed)
         self.admission = Admission(rows, settings.max_waiting, settings.retry_after_s)
         self.draining = False
 
@@ -51,6 +53,8 @@ class ServerState:
     def info(self) -> ModelInfo:
         if self.draining:
             raise APIError(503, "the server is shutting down")
+        if self.worker.dead:
+            raise APIError(503, self.worker.dead)
         if self.worker.failed:
             raise APIError(503, f"the engine failed to start: {self.worker.failed}")
         if self.worker.info is None:
@@ -79,11 +83,13 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def create_app(settings: ServeSettings, build: Callable[[], tuple[SpecEngine, ModelInfo]],
-               rows: int, on_failed: Callable[[], None] = lambda: None) -> FastAPI:
-    """``build`` makes the engine (on the engine thread); ``rows``: its pool's rows;
-    ``on_failed`` runs (on the engine thread) when the build raised."""
-    state = ServerState(settings, build, rows, on_failed)
+def create_app(settings: ServeSettings, host: Host,
+               describe: Callable[[EngineFacts], ModelInfo], rows: int,
+               on_failed: Callable[[], None] = lambda: None) -> FastAPI:
+    """``host`` builds and runs the engine (``engine_host``); ``describe`` makes the
+    served ``ModelInfo`` of its facts; ``rows``: its pool's rows; ``on_failed`` runs (on
+    the host's thread) when the engine could not start."""
+    state = ServerState(settings, host, describe, rows, on_failed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

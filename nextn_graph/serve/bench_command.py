@@ -1,7 +1,8 @@
 """``nextn-graph bench-serve``: the same load on a speculative and a plain server.
 
 Each mode gets its own server on a loopback port of this process (``ServerThread``,
-127.0.0.1 only; both up at once, each load level run on one and then the other, so a
+127.0.0.1 only; its engine in a process of its own, or with ``--engine thread`` on a
+thread; both up at once, each load level run on one and then the other, so a
 machine's drifting load hits both alike), built from the same config: speculative
 decoding, and plain decoding (``speculative`` None) over the same pool and graphs.
 Every load level (fixed concurrency, then Poisson rates) sends the same greedy jobs, so
@@ -52,9 +53,9 @@ def bench_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Path,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, engine: str = ServeSettings.engine) -> dict:
     rows, tokens = [], {}
-    settings = ServeSettings(port=0, max_waiting=MAX_REQUESTS)
+    settings = ServeSettings(port=0, max_waiting=MAX_REQUESTS, engine=engine)
     with contextlib.ExitStack() as stack:
         servers = {}
         for mode in MODES:
@@ -73,7 +74,8 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
         row["same_tokens_as_other_mode"] = f"{sum(x == y for x, y in both)}/{len(both)}"
     report = {"config": {"checkpoint": cfg.checkpoint, "num_steps": cfg.speculative.num_steps,
                          "pool": vars(cfg.pool), "graph_backend": cfg.graph.backend,
-                         "buckets": list(cfg.graph.buckets), "device": cfg.device},
+                         "buckets": list(cfg.graph.buckets), "device": cfg.device,
+                         "engine": engine},
               "jobs": {"count": len(jobs), "prompt_lengths": PROMPT_LENGTHS,
                        "output_lengths": OUTPUT_LENGTHS, "seed": seed},
               "rows": rows}
@@ -93,7 +95,7 @@ def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"Serving bench: {c['checkpoint']} on {c['device']} ({c['graph_backend']} graphs, "
              f"buckets {c['buckets']}), num_steps {c['num_steps']}, "
-             f"{c['pool']['max_requests']} pool rows; greedy, prompts "
+             f"{c['pool']['max_requests']} pool rows, engine in a {c['engine']}; greedy, prompts "
              f"{report['jobs']['prompt_lengths']} x outputs {report['jobs']['output_lengths']} "
              f"tokens.", "",
              "| load | mode | ok/sent | tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
@@ -134,7 +136,7 @@ def run_bench_serve_command(args: argparse.Namespace) -> int:
     loads += [Load("rate", r, args.requests, args.time_limit) for r in args.rates]
     vocab = load_config(resolve_checkpoint(cfg.checkpoint) / "config.json").vocab_size
     jobs = make_jobs(vocab, args.requests, args.seed)
-    report = run_bench_serve(cfg, loads, jobs, Path(args.out), args.seed)
+    report = run_bench_serve(cfg, loads, jobs, Path(args.out), args.seed, args.engine)
     print(markdown(report))
     print(f"wrote serve_bench.json, serve_bench.md and serve_bench.png in {args.out}")
     return 0

@@ -1,7 +1,8 @@
 """``nextn-graph serve``: the OpenAI-compatible server on uvicorn, loopback by default.
 
-The server listens at once and builds the engine on its own thread (``/health`` is 503
-until the graphs are captured). SIGTERM (or Ctrl-C) stops admitting requests, lets the
+The server listens at once; the engine is built (load, build, capture) in its own
+process (``--engine-thread``: on a thread of the server's), and ``/health`` is 503 until
+the graphs are captured. SIGTERM (or Ctrl-C) stops admitting requests, lets the
 ones in flight finish within ``--shutdown-grace`` seconds, fails the rest explicitly,
 and exits 0 (Ctrl-C: 130, as every command).
 """
@@ -14,15 +15,14 @@ import signal
 
 import uvicorn
 
-from ..checkpoint.loader import load_checkpoint, resolve_checkpoint
-from ..checkpoint.tokenizer import load_tokenizer
+import torch
+
 from ..config import RunConfig, load_run_config
 from ..errors import NextnGraphError
-from ..runtime.engine import SpecEngine
 from .app import create_app
-from .chat import load_chat_template
+from .build import build_engine, describe
+from .engine_host import EngineSpec, ProcessHost, ThreadHost
 from .limits import API_KEY_ENV, ServeSettings
-from .protocol import ModelInfo
 
 
 def serve_config(args: argparse.Namespace) -> RunConfig:
@@ -38,26 +38,18 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(args.host, args.port, args.api_key or os.environ.get(API_KEY_ENV),
                          args.max_body_bytes, max(args.max_waiting, 0),
                          shutdown_grace_s=max(args.shutdown_grace, 0.0),
-                         model_name=args.model_name)
+                         model_name=args.model_name,
+                         engine="thread" if args.engine_thread else "process")
 
 
-def engine_builder(cfg: RunConfig, name: str | None, plain: bool = False):
-    """What the engine thread runs: load, build and capture -> (engine, ModelInfo).
-    ``plain``: decode without the draft (``speculative`` None), for comparisons."""
-    def build() -> tuple[SpecEngine, ModelInfo]:
-        models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
-                                 kernels=cfg.kernels)
-        engine = SpecEngine(models.target, models.draft, None if plain else cfg.speculative,
-                            cfg.pool, cfg.graph, scheduler=cfg.scheduler)
-        root = resolve_checkpoint(cfg.checkpoint)
-        mc = engine.cfg
-        info = ModelInfo(name or root.name, mc.vocab_size, mc.eos_token_id,
-                         min(cfg.pool.max_context, mc.max_position_embeddings),
-                         engine.lookahead, engine.samples,
-                         load_tokenizer(root, mc.vocab_size), load_chat_template(root),
-                         engine.max_logprobs, engine.penalizes)
-        return engine, info
-    return build
+def engine_host(cfg: RunConfig, settings: ServeSettings, log_level: str,
+                plain: bool = False) -> ProcessHost | ThreadHost:
+    """Where the engine runs (``settings.engine``). ``plain``: decode without the draft
+    (``speculative`` None), for comparisons."""
+    if settings.engine == "thread":
+        return ThreadHost(lambda: build_engine(cfg, plain))
+    # the engine process takes this process's torch threads (set by --threads)
+    return ProcessHost(EngineSpec(cfg, plain, torch.get_num_threads(), log_level))
 
 
 class _Server(uvicorn.Server):
@@ -80,11 +72,12 @@ def make_server(cfg: RunConfig, settings: ServeSettings, log_level: str = "info"
     def stop() -> None:  # (uvicorn's documented way to stop a server from code)
         holder[0].should_exit = True
 
-    app = create_app(settings, engine_builder(cfg, settings.model_name, plain),
+    app = create_app(settings, engine_host(cfg, settings, log_level, plain),
+                     lambda facts: describe(cfg, settings.model_name, facts),
                      cfg.pool.max_requests, on_failed=stop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_level=log_level,
-                            # a backstop: the engine thread ends every request by the grace
+                            # a backstop: the engine loop ends every request by the grace
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10)
     holder.append(_Server(config, app.state.serve.begin_drain))
     return holder[0]

@@ -8,9 +8,13 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from starlette.requests import ClientDisconnect
+
+from ..errors import InputError
 from .errors import APIError
 
 API_KEY_ENV = "NEXTN_GRAPH_API_KEY"  # a key kept off the command line (and ps)
+ENGINE_HOSTS = ("process", "thread")  # where the engine loop runs (engine_host.py)
 
 if TYPE_CHECKING:  # the command line reads the defaults without the web libraries
     from starlette.requests import Request
@@ -26,6 +30,14 @@ class ServeSettings:
     retry_after_s: int = 1  # the 429's Retry-After
     shutdown_grace_s: float = 30.0  # SIGTERM: requests in flight get this long to finish
     model_name: str | None = None  # the model id served (default: the checkpoint's name)
+    # "process": the engine in its own process (the HTTP side keeps this one's interpreter
+    # lock to itself); "thread": on a thread of the server's process
+    engine: str = "process"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINE_HOSTS:
+            raise InputError(f"ServeSettings.engine must be one of {ENGINE_HOSTS}, got "
+                             f"{self.engine!r}")
 
 
 def check_api_key(header: str | None, key: str | None) -> None:
@@ -47,11 +59,15 @@ async def read_body(request: "Request", limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            parts.append(chunk)
+    except ClientDisconnect:  # gone before its body was read: nothing to answer, no fault
+        raise APIError(499, "the client disconnected before its body was read",
+                       code="client_closed") from None
     return b"".join(parts)
 
 

@@ -1,10 +1,12 @@
 """Prometheus metrics of one server, in its own ``CollectorRegistry`` (no global state:
 two servers in one process keep their own counts).
 
-Three sources: the request handlers (what each client saw: latencies, tokens, outcomes),
-the engine thread (per step: draft acceptance per position, rounds per graph kind and
-bucket, queue depth), and the engine's own counters, read at scrape time
-(``engine.stats``: faults; ``engine.runner.counters``: replays, eager fallbacks).
+Two sources: the request handlers (what each client saw: latencies, tokens, outcomes),
+and the engine loop's snapshot of each turn (``snapshot.py``: draft acceptance per
+position, rounds per graph kind and bucket, queue depth, free rows, and the engine's
+own counters, ``engine.stats`` and ``engine.runner.counters``, the latest exported at
+scrape time). The snapshot is the one way in, whether the engine runs on a thread of
+the server or in its own process.
 """
 
 from __future__ import annotations
@@ -13,36 +15,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from collections import Counter as Tally
-
-from ..runtime.engine import SpecEngine
-from ..runtime.request import StepOutput
+from .snapshot import ENGINE_STATS, RUNNER_COUNTERS, EngineSnapshot
 
 P = "nextn_serve_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-# engine.stats fields exported as counters (the rest are derived or describe the run)
-ENGINE_STATS = ("rounds", "request_rounds", "prefill_forwards", "verify_forwards",
-                "proposed_drafts", "accepted_drafts", "emitted_tokens", "prompt_tokens",
-                "faults", "failed_requests")
 
 
 class _EngineCollector(Collector):
-    """The engine's counters at scrape time (plain ints, read across threads)."""
+    """The engine's counters as of the latest snapshot, at scrape time."""
 
     def __init__(self) -> None:
-        self.engine: SpecEngine | None = None
+        self.snapshot: EngineSnapshot | None = None
 
     def collect(self):
-        if self.engine is None:
+        snap = self.snapshot
+        if snap is None:
             return
         for name in ENGINE_STATS:
             yield CounterMetricFamily(f"nextn_engine_{name}", f"engine.stats.{name}",
-                                      value=getattr(self.engine.stats, name))
-        counters = self.engine.runner.counters
-        for name in ("graph_replays", "eager_fallbacks", "padded_rows", "bucket_splits",
-                     "overlapped_rounds", "sampled_rounds"):
+                                      value=snap.stats[name])
+        for name in RUNNER_COUNTERS:
             yield CounterMetricFamily(f"nextn_engine_{name}", f"runner.counters.{name}",
-                                      value=getattr(counters, name))
+                                      value=snap.counters[name])
 
 
 class ServeMetrics:
@@ -84,43 +78,37 @@ class ServeMetrics:
                              registry=r)
         self.in_flight = Gauge(P + "in_flight_requests", "engine requests (choices) admitted "
                                "by the server and not yet answered", registry=r)
+        self.free_rows = Gauge(P + "free_rows", "pool rows free (after the engine's latest "
+                               "turn)", registry=r)
         self._per_position: dict[int, list[int]] = {}  # the rate gauges' counts
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def bind_engine(self, engine: SpecEngine) -> None:
-        self._engine.engine = engine
-        self.ready.set(1)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # -- the engine thread ---------------------------------------------------------------
-    @staticmethod
-    def before_step(engine: SpecEngine) -> Tally:
-        return Tally(engine.runner.phase_runs)
-
-    def after_step(self, engine: SpecEngine, before: Tally, outs: list[StepOutput],
-                   pending: int, live: int) -> None:
-        for (kind, bucket, mode), n in (engine.runner.phase_runs - before).items():
+    # -- the engine loop's turns (on the thread their reports arrive on) ----------------
+    def observe(self, snap: EngineSnapshot) -> None:
+        self._engine.snapshot = snap
+        for (kind, bucket, mode), n in snap.phase_runs.items():
             self.rounds.labels(kind, str(bucket), mode).inc(n)
-        for out in outs:
-            if out.accepted is not None and out.draft_tokens:  # plain rounds propose none
-                self._count_acceptance(out)
-        self.queue_depth.set(engine.num_waiting + pending)
-        self.running.set(max(live - engine.num_waiting, 0))
+        for accepted, drafted in snap.acceptance:
+            self._count_acceptance(accepted, drafted)
+        self.queue_depth.set(snap.num_waiting + snap.pending)
+        self.running.set(max(snap.live - snap.num_waiting, 0))
+        self.free_rows.set(snap.free_rows)
 
-    def _count_acceptance(self, out: StepOutput) -> None:
-        """The round's accept length as the engine read it back (before stop and length
-        cuts): draft position i (1-based) was accepted when i <= ``out.accepted``."""
-        self.accept_len.observe(out.accepted + 1)
-        for pos in range(len(out.draft_tokens)):
+    def _count_acceptance(self, accepted: int, drafted: int) -> None:
+        """A round's accept length as the engine read it back (before stop and length
+        cuts): draft position i (1-based) of ``drafted`` was accepted when i <= ``accepted``."""
+        self.accept_len.observe(accepted + 1)
+        for pos in range(drafted):
             label = str(pos + 1)
             self.proposed.labels(label).inc()
-            if pos < out.accepted:
+            if pos < accepted:
                 self.accepted.labels(label).inc()
             counts = self._per_position.setdefault(pos, [0, 0])  # [proposed, accepted]
             counts[0] += 1
-            counts[1] += int(pos < out.accepted)
+            counts[1] += int(pos < accepted)
             self.accept_rate.labels(label).set(counts[1] / counts[0])
 

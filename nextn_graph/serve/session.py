@@ -1,5 +1,5 @@
-"""One request's life on the asyncio side: one engine request per choice (its ``Job`` on
-the engine thread), the text of each choice's output as it arrives (stop strings found
+"""One request's life on the asyncio side: one engine request per choice (its ``Job``, run
+by the engine loop), the text of each choice's output as it arrives (stop strings found
 there), its logprobs, timings, and the end of them all.
 
 ``Session.pieces()`` yields ``Piece``s, each what one engine event added to one choice,
@@ -95,8 +95,8 @@ class Session:
                  tokenizer: CheckpointTokenizer | None, on_close: Callable[[], None],
                  disconnected: Callable | None = None):
         self.req, self.worker, self.metrics = req, worker, metrics
-        loop, self.events = asyncio.get_running_loop(), asyncio.Queue()  # of (index, Event)
-        self.runs = [_Run(Job(req, c, loop, self.events), tokenizer) for c in req.choices()]
+        self.events: asyncio.Queue = asyncio.Queue()  # of (choice index, Event)
+        self.runs = [_Run(Job(req, c, self.events), tokenizer) for c in req.choices()]
         self.failed = False  # a choice failed: the request did
         self._on_close, self._disconnected = on_close, disconnected
         self._closed = False
@@ -123,7 +123,7 @@ class Session:
     async def first_event(self) -> None:
         """Wait for the request's first event (its first tokens, or its refusal) before
         a stream's headers go out, so a refusal keeps its HTTP status (400, 503). (The
-        engine thread admits a request's choices together: a refusal comes first.)"""
+        engine loop admits a request's choices together: a refusal comes first.)"""
         index, event = self._first = await self._next()
         if isinstance(event, Failure):
             raise self._fail(self.runs[index], event.status, event.message)

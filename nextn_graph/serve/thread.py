@@ -1,5 +1,8 @@
 """A server on a background thread of this process (the serving benchmark, tests):
-started on an ephemeral loopback port, ready once the engine is captured."""
+started on an ephemeral loopback port, ready once the engine is captured. Its engine
+runs where ``settings.engine`` says: a process of its own (``spawn``ed from this one: a
+script that starts one keeps its top level under ``if __name__ == "__main__":``), or a
+thread of this process."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from .limits import ServeSettings
 
 class ServerThread:
     """``with ServerThread(cfg, settings) as s:`` -> ``s.url``, ``s.state`` (the app's
-    ``ServerState``: its worker, engine and metrics)."""
+    ``ServerState``: its worker, its host and metrics)."""
 
     def __init__(self, cfg: RunConfig, settings: ServeSettings, plain: bool = False,
                  start_timeout_s: float = 300.0):
@@ -36,6 +39,7 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{port}"
         while self.state.worker.info is None:
             if self.state.worker.failed:
+                self.close()
                 raise NextnGraphError(f"the engine failed to start: {self.state.worker.failed}")
             self._wait(deadline)
         return self

@@ -1,11 +1,12 @@
 """Helpers of the server tests: a checkpoint copy with a chat template, the server's
-metrics read back, a free loopback port."""
+metrics read back, the engine seen idle, a free loopback port."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -41,3 +42,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_idle(server, rows: int, timeout_s: float = 10.0) -> None:
+    """Until the engine has no work, every pool row is free and nothing is in flight, as
+    the engine loop's latest snapshot says (the engine may be in another process)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = server.state.worker.snapshot
+        if snap is not None and not snap.has_work and snap.free_rows == rows and (
+                server.state.admission.in_flight == 0):
+            return
+        assert time.monotonic() < deadline, f"not idle: {snap}"
+        time.sleep(0.02)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -257,6 +259,18 @@ def test_top_k_minus_one_is_off(server):
     assert parse_request({**base, "top_k": -1}, info, False) == parse_request(
         {**base, "top_k": 0}, info, False)
     _refused(server, "/v1/completions", {**base, "top_k": -2}, "top_k")
+
+
+def test_a_client_gone_mid_body_is_no_server_fault(server, caplog):
+    """guidellm's sweep leaves clients that close mid-request: a body cut short is a
+    499 (nothing to answer), not an unexpected-error 500 with a traceback."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 400\r\n\r\n{\"prompt\": ")
+    time.sleep(0.5)
+    assert server.http.get("/health").status_code == 200
+    assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
 
 
 def test_tokenize_and_detokenize(server):

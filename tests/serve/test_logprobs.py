@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import queue
+from collections import Counter
 from operator import itemgetter
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -32,10 +34,11 @@ from nextn_graph.serve.protocol import ModelInfo, parse_request
 from nextn_graph.serve.responses import Shaper
 from nextn_graph.serve.session import Piece, Session
 from nextn_graph.serve.thread import ServerThread
-from nextn_graph.serve.worker import EngineWorker, Failure, Job
+from nextn_graph.serve.loop import EngineLoop, Failure
+from nextn_graph.serve.worker import Job
 
 from helpers import corpus_prompts
-from serve_support import chat_checkpoint
+from serve_support import chat_checkpoint, wait_idle
 
 K, ROWS, MAX_CONTEXT = 4, 4, 160
 TOL = 1e-4
@@ -181,11 +184,7 @@ def test_a_client_leaving_aborts_every_choice(server):
             "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "n": 3, "stream": True,
             "logprobs": 1}) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data:"))
-    engine, deadline = server.state.worker.engine, time.monotonic() + 10
-    while engine.has_work or engine.models.target_pool.free_rows != ROWS or (
-            server.state.admission.in_flight):
-        assert time.monotonic() < deadline, "choices left running"
-        time.sleep(0.02)
+    wait_idle(server, ROWS)  # (the engine runs in its own process: its snapshot says)
 
 
 def test_text_offsets_follow_the_text(server):
@@ -483,6 +482,8 @@ def test_a_failed_choice_fails_the_request_and_aborts_the_others(tok):
 
 
 class _FakeEngine:
+    runner = SimpleNamespace(phase_runs=Counter())  # (what the loop's snapshots diff)
+
     def __init__(self, refuse: int):
         self.refuse, self.added, self.aborted = refuse, [], []
 
@@ -497,17 +498,12 @@ class _FakeEngine:
 
 
 def test_a_request_s_choices_are_admitted_all_or_none(tok):
+    """The engine loop adds a request's choices all, or none: the third refused, the two
+    added are aborted, and one failure (the refused choice's) is the request's event."""
     req = parse_request({"prompt": "ab", "n": 3, "max_tokens": 4}, _info(tok), False)
-
-    async def run():
-        worker = EngineWorker(lambda: None, ServeMetrics(), lambda: None)
-        worker.engine = _FakeEngine(refuse=2)
-        queue = asyncio.Queue()
-        jobs = [Job(req, c, asyncio.get_running_loop(), queue) for c in req.choices()]
-        worker._add(jobs)
-        await asyncio.sleep(0)
-        return worker, [queue.get_nowait() for _ in range(queue.qsize())]
-
-    worker, events = asyncio.run(run())
-    assert worker.engine.aborted == [0, 1] and not worker._jobs
-    assert events == [(2, Failure(400, "refused"))]
+    jobs = [Job(req, c, asyncio.Queue(), key=10 + c.index) for c in req.choices()]
+    engine = _FakeEngine(refuse=2)
+    loop = EngineLoop(engine, queue.SimpleQueue(), lambda report: None)
+    loop._add([job.ticket() for job in jobs])
+    assert engine.aborted == [0, 1] and not loop._rids and not loop._keys
+    assert loop._events == [(12, Failure(400, "refused"))]

@@ -1,12 +1,13 @@
 """The OpenAI-compatible server, driven with the official ``openai`` client over
 loopback: streamed and whole completions against the plain-decoding oracle, seeded
-sampling, stop strings, chat, disconnects, every refusal path, and /metrics against
-what the client saw. One server (captured once) serves the module."""
+sampling, stop strings, chat, logprobs and n, disconnects, every refusal path, and
+/metrics against what the client saw. Every test runs on both hosts of the engine: its
+own process (the default) and a thread of the server's; one server per host (captured
+once) serves the module."""
 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -19,7 +20,7 @@ from nextn_graph.serve.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 from nextn_graph.checkpoint.tokenizer import load_tokenizer
 
-from serve_support import chat_checkpoint, metric, scrape
+from serve_support import chat_checkpoint, metric, scrape, wait_idle
 
 KEY = "test-key-1234"
 ROWS = 4
@@ -28,20 +29,26 @@ BODY_LIMIT = 4096
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = chat_checkpoint(tmp_path_factory.mktemp("ckpt"))
+def root(tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(request, root):
     cfg = load_run_config(None, checkpoint=str(root),
-                          pool={"max_requests": ROWS, "max_context": MAX_CONTEXT})
-    settings = ServeSettings(port=0, api_key=KEY, max_body_bytes=BODY_LIMIT, max_waiting=0)
+                          pool={"max_requests": ROWS, "max_context": MAX_CONTEXT},
+                          graph={"logprobs": 2})
+    settings = ServeSettings(port=0, api_key=KEY, max_body_bytes=BODY_LIMIT, max_waiting=0,
+                             engine=request.param)
     with ServerThread(cfg, settings) as srv:
         srv.root = root
         yield srv
 
 
 @pytest.fixture(scope="module")
-def oracle(server):
+def oracle(root):
     """Plain greedy decoding of the served checkpoint (no server, no graphs)."""
-    models = load_checkpoint(server.root)
+    models = load_checkpoint(root)
     return lambda prompts, n: plain_generate(models.target, prompts, n,
                                              max_context=MAX_CONTEXT).outputs
 
@@ -51,13 +58,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _idle(server, timeout_s: float = 10.0) -> None:
+def _idle(server) -> None:
     """Wait until every pool row is free and the engine has no work."""
-    engine = server.state.worker.engine
-    deadline = time.monotonic() + timeout_s
-    while engine.has_work or engine.models.target_pool.free_rows != ROWS:
-        assert time.monotonic() < deadline, "rows not freed"
-        time.sleep(0.02)
+    wait_idle(server, ROWS)
 
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]  # "Hello, my"
@@ -154,7 +157,35 @@ def test_client_disconnect_frees_row(server, client):
         before, "nextn_serve_requests_total", reason="cancelled")
     assert cancelled == 1
     assert metric(after, "nextn_serve_running_requests") == 0
+    assert metric(after, "nextn_serve_free_rows") == ROWS  # (the engine's pool, wherever)
     assert server.state.admission.in_flight == 0
+
+
+def test_logprobs_and_two_choices(client, oracle):
+    """n = 2 greedy choices, whole and streamed: both the oracle's tokens, each token
+    with its logprob and its top dict (2 alternatives and the chosen token, keyed by
+    token string, so ids that decode alike share an entry), the chosen one the most
+    likely (greedy)."""
+    want = oracle([PROMPT], 12)[0]
+    args = dict(model="tiny-chat", prompt=PROMPT, max_tokens=12, temperature=0, n=2,
+                logprobs=2, extra_body={"return_token_ids": True})
+    whole = client.completions.create(**args)
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            streamed[c.index].append(c)
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    for choice in whole.choices:
+        assert choice.token_ids == want
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(want) and all(v <= 0 for v in lp.token_logprobs)
+        for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+            assert 1 <= len(top) <= 3 and value == pytest.approx(max(top.values()))
+    for index, parts in streamed.items():
+        assert [t for c in parts for t in c.token_ids] == want
+        values = [v for c in parts if c.logprobs for v in c.logprobs.token_logprobs]
+        assert values == pytest.approx(whole.choices[index].logprobs.token_logprobs, abs=1e-5)
+    assert whole.usage.completion_tokens == 2 * len(want)
 
 
 def test_refusals_are_openai_errors(server, client):
@@ -245,9 +276,12 @@ def test_metrics_match_what_clients_saw(server, client):
 
 def test_engine_fault_fails_only_its_request(server, client, oracle):
     """A fault in a prefill (raised from a forward pre-hook, once) fails the request being
-    admitted with a 500 in OpenAI's shape; the request already running is untouched."""
+    admitted with a 500 in OpenAI's shape; the request already running is untouched.
+    (The hook goes on the engine's model: the thread host's, in this process.)"""
+    if server.state.settings.engine != "thread":
+        pytest.skip("the engine is in another process: no hook to place")
     want = oracle([PROMPT], 120)[0]
-    engine = server.state.worker.engine
+    engine = server.state.worker.host.engine
     fired = []
 
     def fault(module, args):

@@ -128,3 +128,13 @@ def test_serve_passes_max_logprobs_to_the_engine(capsys):
     assert main(["serve", "--port", "0", "--log-level", "critical",
                  "--max-logprobs", "-1"]) == 2
     assert "graph.logprobs" in capsys.readouterr().err
+
+
+def test_serve_runs_the_engine_in_a_process_unless_told():
+    """The engine's own process is the default; --engine-thread keeps it on a thread."""
+    from nextn_graph.cli.commands import build_parser
+    from nextn_graph.serve.command import serve_settings
+
+    assert serve_settings(build_parser().parse_args(["serve"])).engine == "process"
+    args = build_parser().parse_args(["serve", "--engine-thread"])
+    assert serve_settings(args).engine == "thread"

@@ -1,0 +1,79 @@
+"""The engine in its own process, killed (SIGKILL: as a segfault or the OOM killer
+would end it) while requests are open: a stream gets an ``error`` event naming the
+death, a waiting whole request a 500 naming it, ``/health`` a 503 with the reason, and
+new requests a 503. Also the front's own process never builds an engine: the pool and
+the device are the engine process's, seen through the loop's snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from nextn_graph.config import load_run_config
+from nextn_graph.serve.engine_host import ProcessHost
+from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.thread import ServerThread
+
+from serve_support import wait_idle
+
+ROWS = 2
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]
+
+
+@pytest.fixture
+def server():
+    cfg = load_run_config(None, pool={"max_requests": ROWS, "max_context": 512})
+    with ServerThread(cfg, ServeSettings(port=0, max_waiting=4)) as srv:
+        yield srv
+
+
+def test_the_engine_runs_in_another_process(server):
+    host = server.state.worker.host
+    assert isinstance(host, ProcessHost) and host.pid != os.getpid()
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    wait_idle(server, ROWS)  # (an overlapped round may hold the row one more step)
+    snap = server.state.worker.snapshot
+    assert snap.stats["emitted_tokens"] == r.json()["usage"]["completion_tokens"]
+
+
+def test_a_killed_engine_fails_every_request_explicitly(server):
+    http = httpx.Client(base_url=server.url, timeout=120)
+    body = {"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    whole: dict = {}
+
+    def wait_whole() -> None:  # a non-streamed request in flight when the engine dies
+        r = http.post("/v1/completions", json=body)
+        whole.update(status=r.status_code, body=r.json())
+
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert "error" not in json.loads(first[6:])
+        waiter = threading.Thread(target=wait_whole)
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while server.state.admission.in_flight < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(server.state.worker.host.pid, signal.SIGKILL)
+        events = [json.loads(line[6:]) for line in lines
+                  if line.startswith("data: {")]
+    waiter.join(60)
+    reason = f"the engine process died (exit code {-signal.SIGKILL})"
+    assert events and events[-1]["error"]["message"] == reason
+    assert all("error" not in e for e in events[:-1])
+    assert whole["status"] == 500 and whole["body"]["error"]["message"] == reason
+    health = http.get("/health")
+    assert health.status_code == 503 and health.json()["reason"] == reason
+    late = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    assert late.status_code == 503 and late.json()["error"]["message"] == reason
+    assert server.state.admission.in_flight == 0
+    http.close()

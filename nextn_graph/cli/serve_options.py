@@ -46,6 +46,9 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
     parser.add_argument("--max-body-bytes", type=positive, default=ServeSettings.max_body_bytes)
     parser.add_argument("--shutdown-grace", type=float, default=ServeSettings.shutdown_grace_s,
                         help="seconds requests in flight get to finish after SIGTERM")
+    parser.add_argument("--request-timeout", type=float, default=0.0,
+                        help="seconds a request may run; past that it fails (504, or an "
+                             "error event in its stream) and its rows are freed (0: no limit)")
     parser.add_argument("--model-name", default=None,
                         help="the model id served (default: the checkpoint's name)")
     parser.add_argument("--engine-thread", action="store_true",

@@ -157,7 +157,8 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     count = len(req.prompts) * req.n  # engine requests: the admission counts them
     state.admission.enter(count)
     sess = Session(req, state.worker, state.metrics, info.tokenizer,
-                   lambda: state.admission.leave(count), request.is_disconnected)
+                   lambda: state.admission.leave(count), request.is_disconnected,
+                   settings.request_timeout_s)
     shaper = Shaper(req, info.name, info.tokenizer)
     sess.submit()
     if req.stream:

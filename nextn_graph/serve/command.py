@@ -39,7 +39,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
                          args.max_body_bytes, max(args.max_waiting, 0),
                          shutdown_grace_s=max(args.shutdown_grace, 0.0),
                          model_name=args.model_name,
-                         engine="thread" if args.engine_thread else "process")
+                         engine="thread" if args.engine_thread else "process",
+                         request_timeout_s=args.request_timeout or None)
 
 
 def engine_host(cfg: RunConfig, settings: ServeSettings, log_level: str,

@@ -33,11 +33,18 @@ class ServeSettings:
     # "process": the engine in its own process (the HTTP side keeps this one's interpreter
     # lock to itself); "thread": on a thread of the server's process
     engine: str = "process"
+    # a request still running after this many seconds fails (504, or an error event in
+    # its stream) and its engine requests are aborted; None: no limit
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_HOSTS:
             raise InputError(f"ServeSettings.engine must be one of {ENGINE_HOSTS}, got "
                              f"{self.engine!r}")
+        t = self.request_timeout_s
+        if t is not None and not (isinstance(t, (int, float)) and 0 < t < float("inf")):
+            raise InputError(f"ServeSettings.request_timeout_s must be a number of seconds "
+                             f"> 0 or None, got {t!r}")
 
 
 def check_api_key(header: str | None, key: str | None) -> None:

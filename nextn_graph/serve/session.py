@@ -93,7 +93,7 @@ def _checked(entries: tuple | None, count: int, what: str) -> tuple:
 class Session:
     def __init__(self, req: GenRequest, worker: EngineWorker, metrics: ServeMetrics,
                  tokenizer: CheckpointTokenizer | None, on_close: Callable[[], None],
-                 disconnected: Callable | None = None):
+                 disconnected: Callable | None = None, timeout_s: float | None = None):
         self.req, self.worker, self.metrics = req, worker, metrics
         self.events: asyncio.Queue = asyncio.Queue()  # of (choice index, Event)
         self.runs = [_Run(Job(req, c, self.events), tokenizer) for c in req.choices()]
@@ -102,6 +102,8 @@ class Session:
         self._closed = False
         self._first = None  # the first event, once ``first_event`` has waited for it
         self.start = time.perf_counter()
+        self.timeout_s = timeout_s  # the server's --request-timeout (None: none)
+        self.timed_out = False
 
     def submit(self) -> None:
         self.worker.submit([run.job for run in self.runs])
@@ -136,13 +138,22 @@ class Session:
         if self._first is not None:
             event, self._first = self._first, None
             return event
-        if self._disconnected is None:
+        if self._disconnected is None and self.timeout_s is None:
             return await self.events.get()
-        while True:  # a non-streamed request: notice a client that went away
+        while True:  # notice a client that went away (non-streamed) and the deadline
+            wait = DISCONNECT_POLL_S if self._disconnected is not None else None
+            if self.timeout_s is not None:
+                left = self.start + self.timeout_s - time.perf_counter()
+                wait = left if wait is None else min(wait, left)
             try:
-                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+                return await asyncio.wait_for(self.events.get(), max(wait, 0))
             except asyncio.TimeoutError:
-                if await self._disconnected():  # (close() aborts the engine requests)
+                if self.timeout_s is not None and \
+                        time.perf_counter() >= self.start + self.timeout_s:
+                    self.timed_out = True  # (close() aborts the engine requests)
+                    raise APIError(504, f"the request ran past the server's request "
+                                        f"timeout of {self.timeout_s:g} s", code="timeout")
+                if self._disconnected is not None and await self._disconnected():
                     raise APIError(499, "the client disconnected", code="client_closed")
 
     async def pieces(self) -> AsyncIterator[Piece]:
@@ -175,7 +186,8 @@ class Session:
             reason = run.finish_reason
             if reason is None:  # the client went away mid-request, or a sibling failed
                 self.worker.abort(run.job)
-                reason = "error" if self.failed else "cancelled"
+                reason = "timeout" if self.timed_out else "error" if self.failed else \
+                    "cancelled"
             m.requests.labels(reason).inc()
             m.completion_tokens.labels(reason).inc(len(run.tokens))
         m.prompt_tokens.inc(self.usage["prompt_tokens"])

@@ -140,13 +140,14 @@ class Prefiller:
         final = [c for c, n in zip(chunks, nexts) if n is None]
         rows = [c.req_index for c in final]
         ends = [c.start + len(c.tokens) for c in final]
+        lengths = torch.tensor(ends, device=self.device)  # [F] P
         pen, process = self.penalties, None
         if pen is not None:  # the prompt's tokens, then the final rows' parameters
             pen.mark_prompt(chunks)
             if final:
                 pen.admit(rows, params, ends)
                 at = torch.tensor(rows, device=self.device)
-                before = torch.tensor(ends, device=self.device) - 1  # L = P - 1: row P
+                before = lengths - 1  # L = P - 1: row P
                 none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
                 process = lambda x: pen.logits(x.unsqueeze(1), at, before, none).squeeze(1)  # noqa: E731
         bonus, cand1, seed, q1, lp = eagle.prefill(
@@ -155,7 +156,6 @@ class Prefiller:
         if not params:
             return bonus, lp
         slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
-        lengths = torch.tensor(ends, device=self.device)
         if pen is not None:  # the first token: the first round counts it
             pen.stage(slots, bonus.unsqueeze(1), torch.ones_like(bonus))
         self.state.store(slots, lengths, bonus, cand1, seed)

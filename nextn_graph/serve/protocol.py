@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..checkpoint.tokenizer import CheckpointTokenizer
 from ..errors import InputError, show_value
 from ..penalties import PENALTY_KEYS
-from ..sampling import SamplingParams, request_seed
+from ..sampling import SamplingParams, request_seed, with_bans
 from .chat import ChatTemplate
 from .errors import APIError
 from .fields import check_fields
@@ -145,7 +145,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _sampling(body: dict, info: ModelInfo, max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, info: ModelInfo, max_tokens: int,
+              stop_ids: frozenset[int]) -> SamplingParams:
     # OpenAI's default temperature is 1; an engine built greedy-only decodes greedily
     default_t = 1.0 if info.samples else 0.0
     bias = body.get("logit_bias") or {}
@@ -169,8 +170,11 @@ def _sampling(body: dict, info: ModelInfo, max_tokens: int) -> SamplingParams:
     if not params.greedy and not info.samples:
         raise _bad("temperature > 0 samples, but this server's engine is greedy-only "
                    "(graph.sampling: false)", "temperature")
-    given = dataclasses.replace(params, ban_ids=(1,))  # (min_tokens counts once a stop exists)
-    if given.penalized and not info.penalties:
+    try:  # (the stop ids min_tokens holds back, as the engine sets them)
+        banned = with_bans(params, stop_ids, "sampling")
+    except InputError as exc:
+        raise _bad(str(exc).removeprefix("sampling: "), "min_tokens") from None
+    if banned.penalized and not info.penalties:
         name = next(k for k in PENALTY_KEYS if getattr(params, k) != getattr(NEUTRAL, k))
         raise _bad(f"{name}: this server applies no penalties (start it without "
                    f"--no-penalties)", name)
@@ -264,7 +268,7 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
         raise _bad("stream_options must be an object", "stream_options")
     usage = _flag(options, "include_usage", "stream_options.")
     return GenRequest(tuple(tuple(p) for p in prompts), _int(body, "n", 1, 1, MAX_N + 1),
-                      max_tokens, _sampling(body, info, max_tokens), _stop(body), stop_ids,
+                      max_tokens, _sampling(body, info, max_tokens, stop_ids), _stop(body), stop_ids,
                       _flag(body, "stream"), usage, usage and _flag(
                           options, "continuous_usage_stats", "stream_options."),
                       _flag(body, "return_token_ids"), chat, _logprobs(body, info, chat))

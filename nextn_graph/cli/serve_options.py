@@ -108,9 +108,14 @@ def add_serve_commands(sub, positive, add_threads) -> None:
     bench.add_argument("--max-requests", type=positive, default=None,
                        help="pool rows (default: the largest concurrency level, at most 32)")
     bench.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
-    bench.add_argument("--engine", choices=ENGINE_HOSTS, default=ServeSettings.engine,
-                       help="where each server's engine runs: its own process, or a thread "
-                            "of the server's (perf/serve_split.py compares the two)")
+    bench.add_argument("--engine", choices=(*ENGINE_HOSTS, "both"),
+                       default=ServeSettings.engine,
+                       help="where each server's engine runs: its own process, a thread of "
+                            "the server's, or both (each mode served both ways: the split "
+                            "server's throughput against the in-thread one's)")
+    bench.add_argument("--repeats", type=positive, default=1,
+                       help="runs of each load level per server, in turn; the median "
+                            "throughput's run is reported")
     bench.add_argument("--out", default="bench_serve_out", help="directory for JSON, "
                                                                 "Markdown and PNG")
     add_threads(bench)

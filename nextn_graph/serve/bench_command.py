@@ -1,13 +1,16 @@
-"""``nextn-graph bench-serve``: the same load on a speculative and a plain server.
+"""``nextn-graph bench-serve``: the same load on a speculative and a plain server, with
+the engine in its own process, on a thread of the server's, or both.
 
-Each mode gets its own server on a loopback port of this process (``ServerThread``,
-127.0.0.1 only; its engine in a process of its own, or with ``--engine thread`` on a
-thread; both up at once, each load level run on one and then the other, so a
-machine's drifting load hits both alike), built from the same config: speculative
-decoding, and plain decoding (``speculative`` None) over the same pool and graphs.
-Every load level (fixed concurrency, then Poisson rates) sends the same greedy jobs, so
-the two modes' tokens must agree; the report says whether they did. Writes ``serve_bench.json``,
-``serve_bench.md`` and ``serve_bench.png`` to ``--out`` and prints the table.
+Each (mode, engine) pair gets its own server on a loopback port of this process
+(``ServerThread``, 127.0.0.1 only), all built from one config and up at once:
+speculative decoding, and plain decoding (``speculative`` None) over the same pool and
+graphs; ``--engine both`` serves each mode from an engine process and from an engine
+thread (the split server against the in-thread one). Each load level (fixed
+concurrency, then Poisson rates) runs on every server in turn, ``--repeats`` times, so
+a machine's drifting load hits all alike; the load's client is a process of its own.
+Every level sends the same greedy jobs, so all servers' tokens must agree; the report
+says whether they did. Writes ``serve_bench.json``, ``serve_bench.md`` and
+``serve_bench.png`` to ``--out`` and prints the table.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import matplotlib
@@ -30,7 +35,7 @@ from ..config import RunConfig, load_run_config  # noqa: E402
 from ..errors import InputError  # noqa: E402
 from ..model.config import load_config  # noqa: E402
 from .bench import MAX_REQUESTS, Job, Load, run_load  # noqa: E402
-from .limits import ServeSettings  # noqa: E402
+from .limits import ENGINE_HOSTS, ServeSettings  # noqa: E402
 from .thread import ServerThread  # noqa: E402
 
 PROMPT_LENGTHS = (8, 16, 32, 64)  # mixed prompts, in the trained corpus' distribution
@@ -52,38 +57,76 @@ def bench_config(args: argparse.Namespace) -> RunConfig:
                            pool={"max_requests": rows}, graph={"sampling": False})
 
 
+def engines_of(choice: str) -> tuple[str, ...]:
+    """``--engine``: one host, or ``both`` (the split server against the in-thread one)."""
+    return ENGINE_HOSTS if choice == "both" else (choice,)
+
+
 def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Path,
-                    seed: int = 0, engine: str = ServeSettings.engine) -> dict:
+                    seed: int = 0, engines: tuple[str, ...] = (ServeSettings.engine,),
+                    repeats: int = 1) -> dict:
+    """Every (mode, engine) server up at once; each load level runs ``repeats`` times on
+    every server in turn (a machine's drifting load hits all alike), and the repeat with
+    the median throughput stands for it. The load's client runs in a process of its own,
+    so this process holds the servers' HTTP sides (and the thread servers' engines)
+    alone."""
+    keys = [(mode, engine) for engine in engines for mode in MODES]
     rows, tokens = [], {}
-    settings = ServeSettings(port=0, max_waiting=MAX_REQUESTS, engine=engine)
     with contextlib.ExitStack() as stack:
+        client = stack.enter_context(ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")))
         servers = {}
-        for mode in MODES:
+        for mode, engine in keys:
             start = time.perf_counter()
-            servers[mode] = stack.enter_context(ServerThread(cfg, settings, plain=mode == "plain"))
-            servers[mode].startup_s = round(time.perf_counter() - start, 2)
-        for load in loads:  # the modes back to back, so drifting machine load hits both
-            for mode, srv in servers.items():
-                summary, samples = run_load(srv.url, load, jobs, seed)
-                rows.append({"mode": mode, "startup_s": srv.startup_s, **summary})
-                tokens[(mode, load.label)] = [s.tokens if s and not s.error else None
-                                              for s in samples]
-    for row in rows:  # greedy: speculative and plain decoding agree token for token
-        a, b = tokens[("spec", row["load"])], tokens[("plain", row["load"])]
-        both = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
-        row["same_tokens_as_other_mode"] = f"{sum(x == y for x, y in both)}/{len(both)}"
+            settings = ServeSettings(port=0, max_waiting=MAX_REQUESTS, engine=engine)
+            srv = stack.enter_context(ServerThread(cfg, settings, plain=mode == "plain"))
+            servers[mode, engine] = srv, round(time.perf_counter() - start, 2)
+        for load in loads:
+            runs: dict[tuple, list[dict]] = {key: [] for key in keys}
+            for _ in range(repeats):
+                for key, (srv, _) in servers.items():
+                    summary, samples = client.submit(run_load, srv.url, load, jobs,
+                                                     seed).result()
+                    runs[key].append(summary)
+                    tokens[key + (load.label,)] = [s.tokens if s and not s.error else None
+                                                   for s in samples]
+            for (mode, engine), mine in runs.items():
+                each = [r["throughput_tok_s"] or 0.0 for r in mine]
+                median = sorted(mine, key=lambda r: r["throughput_tok_s"] or 0.0)[len(mine) // 2]
+                rows.append({"mode": mode, "engine": engine, "startup_s": servers[mode, engine][1],
+                             **median, "throughput_each": each,
+                             "failed": sum(r["failed"] for r in mine)})
+    for row in rows:  # greedy: every server gives every job the same tokens
+        mine = tokens[(row["mode"], row["engine"], row["load"])]
+        others = [tokens[key + (row["load"],)] for key in keys
+                  if key != (row["mode"], row["engine"])]
+        pairs = [(x, [o[i] for o in others]) for i, x in enumerate(mine) if x is not None]
+        same = sum(all(y is None or y == x for y in ys) for x, ys in pairs)
+        row["same_tokens"] = f"{same}/{len(pairs)}"
     report = {"config": {"checkpoint": cfg.checkpoint, "num_steps": cfg.speculative.num_steps,
                          "pool": vars(cfg.pool), "graph_backend": cfg.graph.backend,
                          "buckets": list(cfg.graph.buckets), "device": cfg.device,
-                         "engine": engine},
+                         "engines": list(engines), "repeats": repeats},
               "jobs": {"count": len(jobs), "prompt_lengths": PROMPT_LENGTHS,
                        "output_lengths": OUTPUT_LENGTHS, "seed": seed},
-              "rows": rows}
+              "rows": rows, "split_over_thread": split_ratios(rows)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "serve_bench.md").write_text(markdown(report) + "\n")
     plot(rows, out / "serve_bench.png")
     return report
+
+
+def split_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """{load: {mode: the engine process's output throughput / the engine thread's}},
+    where both ran."""
+    by = {(r["load"], r["mode"], r["engine"]): r["throughput_tok_s"] for r in rows}
+    ratios: dict[str, dict[str, float]] = {}
+    for (load, mode, engine), value in by.items():
+        thread = by.get((load, mode, "thread"))
+        if engine == "process" and value and thread:
+            ratios.setdefault(load, {})[mode] = round(value / thread, 3)
+    return ratios
 
 
 def _pair(row: dict, key: str) -> str:
@@ -95,31 +138,38 @@ def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"Serving bench: {c['checkpoint']} on {c['device']} ({c['graph_backend']} graphs, "
              f"buckets {c['buckets']}), num_steps {c['num_steps']}, "
-             f"{c['pool']['max_requests']} pool rows, engine in a {c['engine']}; greedy, prompts "
-             f"{report['jobs']['prompt_lengths']} x outputs {report['jobs']['output_lengths']} "
-             f"tokens.", "",
-             "| load | mode | ok/sent | tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-             "| ITL p50 / p99 ms | accept len | accept per position | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{c['pool']['max_requests']} pool rows, engine in a "
+             f"{' and in a '.join(c['engines'])}, the median of {c['repeats']} repeat(s); "
+             f"greedy, prompts {report['jobs']['prompt_lengths']} x outputs "
+             f"{report['jobs']['output_lengths']} tokens.", "",
+             "| load | mode | engine | ok/sent | tok/s | req/s | TTFT p50 / p99 ms "
+             "| TPOT p50 / p99 ms | ITL p50 / p99 ms | accept len | accept per position "
+             "| same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = list(dict.fromkeys(r["load"] for r in report["rows"]))
-    for r in sorted(report["rows"], key=lambda r: (order.index(r["load"]), r["mode"] != "spec")):
+    for r in sorted(report["rows"], key=lambda r: (order.index(r["load"]), r["mode"] != "spec",
+                                                   r["engine"] != "process")):
         accept = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         per = ", ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
-        lines.append(f"| {r['load']} | {r['mode']} | {r['ok']}/{r['sent']} | "
+        lines.append(f"| {r['load']} | {r['mode']} | {r['engine']} | {r['ok']}/{r['sent']} | "
                      f"{r['throughput_tok_s']} | {r['requests_per_s']} | {_pair(r, 'ttft')} | "
                      f"{_pair(r, 'tpot')} | {_pair(r, 'itl')} | {accept} | {per} | "
-                     f"{r['same_tokens_as_other_mode']} |")
+                     f"{r['same_tokens']} |")
+    for load, ratio in report["split_over_thread"].items():
+        each = ", ".join(f"{mode} {value:.2f}x" for mode, value in ratio.items())
+        lines.append(f"\nOutput throughput, engine process / engine thread, {load}: {each}")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
     loads = list(dict.fromkeys(r["load"] for r in rows))
+    keys = list(dict.fromkeys((r["mode"], r["engine"]) for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for mode, style in zip(MODES, ("o-", "s--")):
-        mine = {r["load"]: r for r in rows if r["mode"] == mode}
+    for (mode, engine), style in zip(keys, ("o-", "s--", "^-", "v--")):
+        mine = {r["load"]: r for r in rows if (r["mode"], r["engine"]) == (mode, engine)}
         for ax, key, title in zip(axes, ("throughput_tok_s", "ttft_p50_ms", "tpot_p50_ms"),
                                   ("output tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
-            ax.plot(loads, [mine[x][key] or 0 for x in loads], style, label=mode)
+            ax.plot(loads, [mine[x][key] or 0 for x in loads], style, label=f"{mode}, {engine}")
             ax.set_title(title)
             ax.set_xlabel("load")
     axes[0].legend()
@@ -136,7 +186,8 @@ def run_bench_serve_command(args: argparse.Namespace) -> int:
     loads += [Load("rate", r, args.requests, args.time_limit) for r in args.rates]
     vocab = load_config(resolve_checkpoint(cfg.checkpoint) / "config.json").vocab_size
     jobs = make_jobs(vocab, args.requests, args.seed)
-    report = run_bench_serve(cfg, loads, jobs, Path(args.out), args.seed, args.engine)
+    report = run_bench_serve(cfg, loads, jobs, Path(args.out), args.seed,
+                             engines_of(args.engine), args.repeats)
     print(markdown(report))
     print(f"wrote serve_bench.json, serve_bench.md and serve_bench.png in {args.out}")
     return 0

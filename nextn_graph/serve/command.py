@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from typing import Callable
 
 import uvicorn
 
@@ -19,6 +20,7 @@ import torch
 
 from ..config import RunConfig, load_run_config
 from ..errors import NextnGraphError
+from ..runtime.engine import SpecEngine
 from .app import create_app
 from .build import build_engine, describe
 from .engine_host import EngineSpec, ProcessHost, ThreadHost
@@ -44,13 +46,15 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
 
 
 def engine_host(cfg: RunConfig, settings: ServeSettings, log_level: str,
-                plain: bool = False) -> ProcessHost | ThreadHost:
+                plain: bool = False, prepare: Callable[[SpecEngine], None] | None = None
+                ) -> ProcessHost | ThreadHost:
     """Where the engine runs (``settings.engine``). ``plain``: decode without the draft
-    (``speculative`` None), for comparisons."""
+    (``speculative`` None), for comparisons; ``prepare``: called with the engine once
+    built, where it runs (a module-level function)."""
     if settings.engine == "thread":
-        return ThreadHost(lambda: build_engine(cfg, plain))
+        return ThreadHost(lambda: build_engine(cfg, plain), prepare)
     # the engine process takes this process's torch threads (set by --threads)
-    return ProcessHost(EngineSpec(cfg, plain, torch.get_num_threads(), log_level))
+    return ProcessHost(EngineSpec(cfg, plain, torch.get_num_threads(), log_level, prepare))
 
 
 class _Server(uvicorn.Server):
@@ -66,14 +70,15 @@ class _Server(uvicorn.Server):
 
 
 def make_server(cfg: RunConfig, settings: ServeSettings, log_level: str = "info",
-                plain: bool = False) -> uvicorn.Server:
+                plain: bool = False, prepare: Callable[[SpecEngine], None] | None = None
+                ) -> uvicorn.Server:
     """The server, not yet running; an engine that fails to build stops it."""
     holder: list[uvicorn.Server] = []
 
     def stop() -> None:  # (uvicorn's documented way to stop a server from code)
         holder[0].should_exit = True
 
-    app = create_app(settings, engine_host(cfg, settings, log_level, plain),
+    app = create_app(settings, engine_host(cfg, settings, log_level, plain, prepare),
                      lambda facts: describe(cfg, settings.model_name, facts),
                      cfg.pool.max_requests, on_failed=stop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",

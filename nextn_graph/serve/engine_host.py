@@ -50,8 +50,9 @@ class ThreadHost:
     """The engine loop on a thread of this process: it shares the interpreter lock with
     the HTTP side (uvicorn, JSON, tokenizing)."""
 
-    def __init__(self, build: Callable[[], tuple[SpecEngine, EngineFacts]]):
-        self._build = build
+    def __init__(self, build: Callable[[], tuple[SpecEngine, EngineFacts]],
+                 prepare: Callable[[SpecEngine], None] | None = None):
+        self._build, self._prepare = build, prepare
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self.engine: SpecEngine | None = None  # once built (tests reach into it)
         self._thread: threading.Thread | None = None
@@ -64,6 +65,8 @@ class ThreadHost:
     def _run(self, worker: "EngineWorker") -> None:
         try:
             self.engine, facts = self._build()
+            if self._prepare is not None:
+                self._prepare(self.engine)
         except Exception as exc:
             return worker.build_failed(_reason(exc))
         if not worker.ready(facts):
@@ -91,6 +94,9 @@ class EngineSpec:
     plain: bool  # decode without the draft
     threads: int  # torch intra-op threads on a CPU device (the server's setting)
     log_level: str  # the server's (uvicorn's names: warning, info, ...)
+    # called with the engine once built, in the engine process (a module-level function:
+    # it is pickled by name); the tests place their faults with it
+    prepare: Callable[[SpecEngine], None] | None = None
 
 
 class ProcessHost:
@@ -194,6 +200,8 @@ def engine_main(spec: EngineSpec, commands, reports) -> None:
         torch.set_num_threads(spec.threads)
     try:
         engine, facts = build_engine(spec.cfg, spec.plain)
+        if spec.prepare is not None:
+            spec.prepare(engine)
     except Exception as exc:
         reports.send(("failed", _reason(exc)))
         return

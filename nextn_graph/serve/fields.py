@@ -49,7 +49,8 @@ _COMMON = {
                             "every verify row (an engine with graph.penalties)"),
     "presence_penalty": _h("in [-2, 2]: off the logit of each token the output holds"),
     "logit_bias": _h("token id -> bias in [-100, 100], added to the logits (up to 300)"),
-    "max_tokens": _h("output length; with the prompt and lookahead within the context"),
+    "max_tokens": _h("output length; with the prompt and lookahead within the context; 0 "
+                     "only with completions' echo (the prompt alone, scored, as vLLM)"),
     "n": _h("choices per prompt (1..16); with a seed each samples its own stream"),
     "seed": _h("seeds the request's sampling stream"),
     "stop": _h("stop strings, matched on the decoded text"),
@@ -81,7 +82,8 @@ COMPLETIONS = {
     "prompt": _h("text (with the checkpoint's tokenizer), token ids, or a list of up to "
                  "64 of either (a batch)"),
     "best_of": _r("no server-side ranking of candidates (vLLM V1 dropped it); use n", 1),
-    "echo": _h("the text, and with logprobs the logprobs, start with the prompt's"),
+    "echo": _h("the text, and with logprobs the logprobs, start with the prompt's (with "
+               "max_tokens 0: are the prompt's alone)"),
     "logprobs": _h("k: each token's logprob with the k most likely (k <= --max-logprobs)"),
     "suffix": _r("no insertion (fill-in-the-middle) mode", ""),
 }

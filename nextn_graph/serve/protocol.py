@@ -4,9 +4,10 @@
 ``fields.check_fields`` runs first: an unknown field is refused by name, and so is one
 not implemented unless it holds its default (every field's policy: ``fields.py``). Read
 here: ``prompt`` (``prompts.py``: one, or a batch) or ``messages``, ``n``, ``max_tokens``
-(chat: or ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``seed``,
-``stop``, ``stream``, ``stream_options.include_usage``, the logprobs fields (completions'
-``logprobs`` and ``echo``, chat's ``logprobs`` and ``top_logprobs``), the penalties
+(chat: or ``max_completion_tokens``; 0 with completions' ``echo``: the prompt alone, as
+vLLM's), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``, the logprobs fields (completions' ``logprobs`` and
+``echo``, chat's ``logprobs`` and ``top_logprobs``), the penalties
 (``presence_penalty``, ``frequency_penalty``, ``logit_bias``), and vLLM's ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``prompt_logprobs``, ``stop_token_ids``,
 ``ignore_eos``, ``return_token_ids``.
@@ -85,7 +86,7 @@ class GenRequest:
 
     prompts: tuple[tuple[int, ...], ...]  # token ids of each prompt (chat: one)
     n: int  # choices per prompt
-    max_tokens: int
+    max_tokens: int  # 0: echo_only
     sampling: SamplingParams
     stop: tuple[str, ...]  # stop strings, matched on the decoded output
     stop_ids: frozenset[int]  # stop token ids (EOS unless ignore_eos, and stop_token_ids)
@@ -95,6 +96,18 @@ class GenRequest:
     return_token_ids: bool
     chat: bool
     logprobs: LogprobAsk = LogprobAsk()
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 (with echo, as vLLM): each choice is its prompt's echo alone."""
+        return self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int:
+        """The engine makes at least one token: echo_only's one is made so the prefill
+        (the prompt's logprobs) runs, and nothing of it reaches the response
+        (``session._Run.take`` drops it)."""
+        return max(self.max_tokens, 1)
 
     def choices(self) -> list[Choice]:
         """Prompt-major. With a seed and n > 1 choice j samples with
@@ -238,9 +251,18 @@ def _prompts(body: dict, info: ModelInfo, chat: bool) -> tuple[list[list[int]], 
 
 
 def _max_tokens(body: dict, info: ModelInfo, chat: bool, longest: int, room: int) -> int:
+    """0 only with completions' echo (vLLM's prompt-only scoring). Its engine request
+    still takes one token (``GenRequest.engine_max_tokens``), so the prompt's room rule
+    (``_prompts``: room for at least one token) is the same for it."""
     key = "max_completion_tokens" if chat and body.get("max_tokens") is None else "max_tokens"
     default = room if chat else DEFAULT_MAX_TOKENS
-    max_tokens = _int(body, key, min(default, room), 1)
+    echo_only = not chat and _flag(body, "echo")
+    value = body.get(key)
+    if not echo_only and type(value) is int and value == 0:
+        need = ("completions' echo: true, and chat has no echo" if chat else "echo: true")
+        raise _bad(f"{key} must be an integer >= 1, got 0 (0, the prompt alone scored, "
+                   f"needs {need})", key)
+    max_tokens = _int(body, key, min(default, room), 0 if echo_only else 1)
     if max_tokens > room:
         raise _bad(f"{key} {max_tokens} + the prompt's {longest} tokens + {info.lookahead} "
                    f"positions of verify lookahead exceed the context of {info.max_context} "

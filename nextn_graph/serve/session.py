@@ -72,6 +72,9 @@ class _Run:
         if ask.engine_prompt is not None and first:
             prompt = _checked(event.prompt_logprobs, len(req.prompts[self.job.choice.prompt]),
                               "prompt_logprobs")
+        if req.echo_only:  # the one token made so the prefill runs shows nowhere (no text,
+            # ids, logprobs or usage; a stop token or not, the choice ends as length)
+            toks, logprobs = [], None if logprobs is None else ()
         self.tokens.extend(toks)
         delta = self.text.push(toks, final=event.finished)
         if self.text.stopped:

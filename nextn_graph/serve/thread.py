@@ -9,9 +9,11 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
+from typing import Callable
 
 from ..config import RunConfig
 from ..errors import NextnGraphError
+from ..runtime.engine import SpecEngine
 from .command import make_server
 from .limits import ServeSettings
 
@@ -21,10 +23,12 @@ class ServerThread:
     ``ServerState``: its worker, its host and metrics)."""
 
     def __init__(self, cfg: RunConfig, settings: ServeSettings, plain: bool = False,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0,
+                 prepare: Callable[[SpecEngine], None] | None = None):
         if settings.host != "127.0.0.1":
             raise NextnGraphError("ServerThread serves on loopback (127.0.0.1) only")
-        self.server = make_server(cfg, settings, log_level="warning", plain=plain)
+        self.server = make_server(cfg, settings, log_level="warning", plain=plain,
+                                  prepare=prepare)
         self.state = self.server.config.app.state.serve
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.start_timeout_s = start_timeout_s

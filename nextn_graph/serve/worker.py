@@ -56,8 +56,8 @@ class Job:
 
     def ticket(self) -> Ticket:
         r, c = self.req, self.choice
-        return Ticket(self.key, r.prompts[c.prompt], r.max_tokens, r.stop_ids, c.sampling,
-                      r.logprobs.output, r.logprobs.engine_prompt)
+        return Ticket(self.key, r.prompts[c.prompt], r.engine_max_tokens, r.stop_ids,
+                      c.sampling, r.logprobs.output, r.logprobs.engine_prompt)
 
     def deliver(self, event: Event) -> None:
         self.events.put_nowait((self.choice.index, event))

@@ -55,3 +55,24 @@ def wait_idle(server, rows: int, timeout_s: float = 10.0) -> None:
             return
         assert time.monotonic() < deadline, f"not idle: {snap}"
         time.sleep(0.02)
+
+
+FAULT = "injected round fault"
+
+
+def fault_a_shared_round(engine) -> None:
+    """An engine's set-up for the fault tests (``EngineSpec.prepare``: a function of this
+    module, so a spawned engine process imports it by name): once two pool rows have
+    run rounds, the next round chunk launched raises, once. With one-row buckets, that
+    chunk holds one request: it fails and the other runs on."""
+    runner = engine.runner
+    launch, rows, seen, fired = runner.launch_chunk, engine.state.rows, set(), []
+
+    def faulty(slots, *args, **kwargs):
+        seen.update(s % rows for s in slots)
+        if len(seen) >= 2 and not fired:
+            fired.append(True)
+            raise RuntimeError(FAULT)
+        return launch(slots, *args, **kwargs)
+
+    runner.launch_chunk = faulty

@@ -1,8 +1,10 @@
 """The engine in its own process, killed (SIGKILL: as a segfault or the OOM killer
 would end it) while requests are open: a stream gets an ``error`` event naming the
 death, a waiting whole request a 500 naming it, ``/health`` a 503 with the reason, and
-new requests a 503. Also the front's own process never builds an engine: the pool and
-the device are the engine process's, seen through the loop's snapshots."""
+new requests a 503. A fault inside the engine process in the middle of a stream (one
+request's round chunk raising) ends that stream alone. Also the front's own process
+never builds an engine: the pool and the device are the engine process's, seen through
+the loop's snapshots."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import time
 import httpx
 import pytest
 
+from nextn_graph.checkpoint.loader import load_checkpoint
 from nextn_graph.config import load_run_config
+from nextn_graph.runtime.generate import plain_generate
 from nextn_graph.serve.engine_host import ProcessHost
 from nextn_graph.serve.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
-from serve_support import wait_idle
+from serve_support import FAULT, fault_a_shared_round, wait_idle
 
 ROWS = 2
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]
@@ -77,3 +81,50 @@ def test_a_killed_engine_fails_every_request_explicitly(server):
     assert late.status_code == 503 and late.json()["error"]["message"] == reason
     assert server.state.admission.in_flight == 0
     http.close()
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict]]:
+    """A streamed greedy completion -> (its token ids, its error events)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True}
+    tokens, errors = [], []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"])
+                elif event["choices"]:
+                    tokens += event["choices"][0].get("token_ids") or []
+    return tokens, errors
+
+
+def test_a_fault_mid_stream_fails_that_stream_alone():
+    """Two streams decode in the engine process, one request per round chunk (bucket 1);
+    a round chunk raises there (placed by ``prepare``, once both rows ran): that chunk's
+    stream ends with an error event naming the fault after the tokens it had, the other
+    stream's tokens are the no-cache oracle's, and the engine serves the next request."""
+    cfg = load_run_config(None, pool={"max_requests": ROWS, "max_context": 512},
+                          graph={"buckets": [1], "sampling": False})
+    prompts = [PROMPT, PROMPT[::-1]]
+    models = load_checkpoint(cfg.checkpoint)
+    want = plain_generate(models.target, prompts, 48, max_context=512).outputs
+    with ServerThread(cfg, ServeSettings(port=0, max_waiting=4),
+                      prepare=fault_a_shared_round) as srv:
+        got: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: got.update({i: _stream(
+            srv.url, prompts[i], 48)})) for i in range(2)]
+        for t in threads:  # (at once: both are admitted into the same steps)
+            t.start()
+        for t in threads:
+            t.join(120)
+        failed = [i for i in got if got[i][1]]
+        assert len(got) == 2 and len(failed) == 1, got
+        assert min(len(w) for w in want) > 8  # (both still decoding at the fault)
+        bad, good = failed[0], 1 - failed[0]
+        assert got[good] == (want[good], [])
+        tokens, errors = got[bad]
+        assert len(errors) == 1 and FAULT in errors[0]["message"]
+        assert tokens == want[bad][:len(tokens)]  # what it streamed before stays right
+        assert _stream(srv.url, prompts[bad], 48) == (want[bad], [])
+        wait_idle(srv, ROWS)

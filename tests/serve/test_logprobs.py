@@ -8,6 +8,7 @@ module."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 from collections import Counter
@@ -40,7 +41,7 @@ from nextn_graph.serve.worker import Job
 from helpers import corpus_prompts
 from serve_support import chat_checkpoint, wait_idle
 
-K, ROWS, MAX_CONTEXT = 4, 4, 160
+K, ROWS, MAX_CONTEXT = 5, 4, 160  # (K: OpenAI's most for completions' logprobs)
 TOL = 1e-4
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]  # "Hello, my"
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -222,6 +223,112 @@ def test_echo_and_prompt_logprobs_equal_the_oracle(server):
         assert got[str(token)]["decoded_token"] == chr(token)
         assert got[str(ranked[0])]["rank"] == 1
         assert got[str(token)]["rank"] == (1 if ranked[0] == token else None)
+
+
+def _greedy_first(server, prompt: list[int]) -> int:
+    return plain_generate(server.target, [prompt], 1, stop_ids=[],
+                          max_context=MAX_CONTEXT).outputs[0][0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("k", [1, K])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, k, stream):
+    """vLLM's prompt-only scoring (echo, max_tokens 0): the text is the prompt's, the
+    logprobs the prompt's (the oracle's; the first null), and nothing of the one token
+    the engine makes for its prefill shows: no token ids, completion_tokens 0, and
+    finish_reason length though that token is a stop token here. Streamed: one chunk
+    with all of it (as vLLM's), the usage chunk, [DONE]."""
+    body = {"prompt": "Hello, my", "max_tokens": 0, "echo": True, "logprobs": k,
+            "temperature": 0, "return_token_ids": True,
+            "stop_token_ids": [_greedy_first(server, PROMPT)]}
+    want_usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
+                  "total_tokens": len(PROMPT)}
+    if stream:
+        r = server.http.post("/v1/completions", json={
+            **body, "stream": True, "stream_options": {"include_usage": True}})
+        assert r.status_code == 200, r.text
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert len(events) == 3 and events[-1] == "[DONE]", events
+        first, last = json.loads(events[0]), json.loads(events[1])
+        assert last["choices"] == [] and last["usage"] == want_usage
+        assert first["usage"] == want_usage  # (it ends the last choice)
+        choice = _joined([first])[0]
+    else:
+        out = _post(server, "/v1/completions", body)
+        assert out["usage"] == want_usage and len(out["choices"]) == 1
+        choice = out["choices"][0]
+    assert choice["text"] == "Hello, my" and choice["token_ids"] == []
+    assert choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["token_logprobs"]) == len(PROMPT)
+    _check_completion(server, PROMPT, choice, k, echo=True)
+    assert choice["logprobs"]["text_offset"] == list(range(len(PROMPT)))
+
+
+def test_the_hidden_token_is_a_stop_token_there(server):
+    """The control of the test above: with max_tokens 1 the same request's one token is
+    the stop token (finish_reason stop), so max_tokens 0's length hides it."""
+    first = _greedy_first(server, PROMPT)
+    choice = _post(server, "/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 1, "echo": True, "temperature": 0,
+        "return_token_ids": True, "stop_token_ids": [first]})["choices"][0]
+    assert choice["token_ids"] == [first] and choice["finish_reason"] == "stop"
+
+
+def test_echo_with_max_tokens_0_for_n_choices_of_a_batch(server):
+    """A batch of prompts, n 2 each: every choice is its prompt's echo alone, with the
+    prompt's logprobs (prompt_logprobs too, its own k), prompt-major."""
+    prompts = [PROMPT, corpus_prompts(3, [7])[0]]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 0, "temperature": 0.8, "seed": 2, "return_token_ids": True}
+    out = _post(server, "/v1/completions", body)
+    tok = server.state.worker.info.tokenizer
+    choices = sorted(out["choices"], key=itemgetter("index"))
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for choice, prompt in zip(choices, [prompts[0]] * 2 + [prompts[1]] * 2):
+        assert choice["text"] == tok.decode(prompt) and choice["token_ids"] == []
+        assert choice["finish_reason"] == "length"
+        _check_completion(server, prompt, choice, 1, echo=True)
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(prompt) and plp[0] is None
+        assert [list(p)[0] for p in plp[1:]] == [str(t) for t in prompt[1:]]
+    assert out["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0,
+                            "total_tokens": sum(map(len, prompts))}
+
+
+def test_max_tokens_0_needs_room_for_the_hidden_token(server):
+    """The engine makes one token for max_tokens 0, so the prompt's room rule is
+    unchanged: a prompt leaving room for one token is served, one leaving none is a
+    400 naming the prompt."""
+    room = MAX_CONTEXT - server.state.worker.info.lookahead
+    fits = corpus_prompts(4, [room - 1])[0]
+    body = {"prompt": fits, "max_tokens": 0, "echo": True, "logprobs": 0,
+            "temperature": 0, "return_token_ids": True}
+    choice = _post(server, "/v1/completions", body)["choices"][0]
+    assert choice["token_ids"] == [] and len(choice["logprobs"]["tokens"]) == len(fits)
+    r = server.http.post("/v1/completions", json={**body, "prompt": [*fits, fits[0]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_max_tokens_0_refusals(server):
+    """max_tokens 0 without echo, or on chat, is a 400 naming the field and saying 0
+    needs echo; so is a negative one with echo."""
+    for path, body, param in (
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": False,
+                                 "logprobs": 1}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0},
+             "max_completion_tokens"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0, "echo": True},
+             "echo"),  # (chat has no echo field)
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1, "echo": True},
+             "max_tokens")):
+        r = server.http.post(path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, error
+        if body.get(param) == 0:
+            assert "needs" in error["message"] and "echo: true" in error["message"], error
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -412,6 +519,17 @@ def test_shaping_echo_offsets_and_a_stop_cut(tok):
     fresh = Shaper(req, "m", tok).whole([first, last], {})["choices"][0]
     assert fresh["text"] == "héab" and fresh["logprobs"]["text_offset"] == [0, 1, 1, 2, 3,
                                                                                4, 4]
+
+
+def test_max_tokens_0_with_min_tokens_is_a_400(tok):
+    info = dataclasses.replace(_info(tok), penalties=True)
+    with pytest.raises(APIError) as err:
+        parse_request({"prompt": "ab", "echo": True, "max_tokens": 0, "min_tokens": 1},
+                      info, False)
+    assert err.value.param == "min_tokens"
+    assert err.value.message == "min_tokens 1 exceeds max_tokens 0"
+    req = parse_request({"prompt": "ab", "echo": True, "max_tokens": 0}, info, False)
+    assert req.echo_only and req.engine_max_tokens == 1
 
 
 def test_seeds_per_choice_and_the_choice_order(tok):

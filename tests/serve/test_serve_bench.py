@@ -1,6 +1,6 @@
 """``bench-serve`` on a small load: both modes serve the same greedy jobs over loopback,
-agree token for token, and the JSON, Markdown table and plot are written. (Its engines
-run on threads: the process host is the other modules' default.)"""
+agree token for token, and the JSON, Markdown table and plot are written; with both
+engine hosts, four servers agree and the split / thread ratio is reported."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
 from nextn_graph.serve.bench import Load
-from nextn_graph.serve.bench_command import make_jobs, run_bench_serve
+from nextn_graph.serve.bench_command import engines_of, make_jobs, run_bench_serve
 
 
 def test_bench_serve_small_load(tmp_path):
@@ -19,20 +19,42 @@ def test_bench_serve_small_load(tmp_path):
                           graph={"sampling": False})
     jobs = make_jobs(256, 6, seed=3)
     loads = [Load("concurrency", 2, 6, 60.0), Load("rate", 50.0, 4, 60.0)]
-    report = run_bench_serve(cfg, loads, jobs, tmp_path, engine="thread")  # (a fast start)
+    report = run_bench_serve(cfg, loads, jobs, tmp_path, engines=("thread",))  # (a fast start)
     rows = report["rows"]
     assert [(r["mode"], r["load"]) for r in rows] == [
         ("spec", "c=2"), ("plain", "c=2"), ("spec", "50 req/s"), ("plain", "50 req/s")]
     for r in rows:
         assert r["failed"] == 0 and r["ok"] == r["sent"]
-        assert r["same_tokens_as_other_mode"] == f"{r['sent']}/{r['sent']}"
+        assert r["same_tokens"] == f"{r['sent']}/{r['sent']}"
         assert r["output_tokens"] > 0 and r["ttft_p50_ms"] > 0
     spec = rows[0]
     assert 1 <= spec["acceptance_length"] <= 4 and len(spec["acceptance_per_position"]) == 3
     assert rows[1]["acceptance_length"] is None  # plain decoding drafts nothing
     assert json.loads((tmp_path / "serve_bench.json").read_text())["rows"] == rows
-    assert "| c=2 | spec | 6/6 |" in (tmp_path / "serve_bench.md").read_text()
+    assert "| c=2 | spec | thread | 6/6 |" in (tmp_path / "serve_bench.md").read_text()
     assert (tmp_path / "serve_bench.png").stat().st_size > 0
+    assert report["split_over_thread"] == {}  # one host: nothing to compare
+
+
+def test_bench_serve_both_engines_repeated(tmp_path):
+    """``--engine both --repeats 2``: every mode from an engine process and an engine
+    thread, each load twice per server, the median run reported with both runs'
+    throughputs; the four servers agree token for token; the ratio is that of the rows."""
+    cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 256},
+                          graph={"sampling": False})
+    jobs = make_jobs(256, 4, seed=5)
+    report = run_bench_serve(cfg, [Load("concurrency", 2, 4, 60.0)], jobs, tmp_path,
+                             engines=engines_of("both"), repeats=2)
+    rows = {(r["mode"], r["engine"]): r for r in report["rows"]}
+    assert set(rows) == {(m, e) for m in ("spec", "plain") for e in ("process", "thread")}
+    for r in rows.values():
+        assert r["failed"] == 0 and r["same_tokens"] == "4/4"
+        assert len(r["throughput_each"]) == 2 and r["throughput_tok_s"] in r["throughput_each"]
+    ratio = report["split_over_thread"]["c=2"]
+    for mode in ("spec", "plain"):
+        want = rows[mode, "process"]["throughput_tok_s"] / rows[mode, "thread"]["throughput_tok_s"]
+        assert ratio[mode] == pytest.approx(want, rel=1e-3)
+    assert "engine process / engine thread, c=2: spec" in (tmp_path / "serve_bench.md").read_text()
 
 
 @pytest.mark.parametrize("argv", [["bench-serve", "--concurrency", "0"],

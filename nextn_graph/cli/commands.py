@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -26,14 +25,15 @@ from ..checkpoint.tokenizer import byte_level_tokenizer, write_tokenizer
 from ..checkpoint.train import TRAINED_PRESET, make_trained
 from ..config import (COMPILE_BACKENDS, GRAPH_BACKENDS, TORCH_DTYPES, WEIGHTS_MODES, RunConfig,
                       load_run_config)
-from ..errors import ConfigError, InputError, NextnGraphError, show_value
-from ..launch.follower import serve, shutdown
-from ..launch.ranks import close_group, group_from_env, load_on_ranks, spawn
+from ..errors import InputError, NextnGraphError, show_value
+from ..launch.follower import load_and_follow, shutdown
+from ..launch.ranks import check_world_size, close_group, exit_rank, group_from_env, spawn
 from ..parallel.group import TPGroup
 from ..profile import add_profile_options, run_profile
 from ..runtime.engine import SpecEngine
 from .generate import MODES, add_sampling_options, run_generate
-from .serve_options import add_kernels_option, add_serve_commands, run_serve_command
+from .serve_options import (add_kernels_option, add_serve_commands, add_tp_option,
+                            run_serve_command)
 
 SEED_LIMIT = 2**63  # torch generators take a 64-bit seed
 
@@ -177,12 +177,6 @@ def _add_threads(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads on CPU (default 1: tiny widths)")
 
 
-def _add_tp(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=POSITIVE, default=None,
-                        help="tensor-parallel ranks (YAML parallel.tp); without torchrun, "
-                             "this machine starts them itself")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn-graph", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -203,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="JSON path (default: OUT/bench.json)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_threads(bench)
-    _add_tp(bench)
+    add_tp_option(bench, POSITIVE)
     demo = sub.add_parser("demo", help="spec, plain and reference decoding side by side")
     demo.add_argument("--checkpoint", help="checkpoint dir (default: builtin:tiny-trained)")
     demo.add_argument("--max-new-tokens", type=POSITIVE, default=32)
@@ -244,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(a sampled request shows the parameters it used, its seed included)")
     add_sampling_options(gen)
     _add_threads(gen)
-    _add_tp(gen)
+    add_tp_option(gen, POSITIVE)
     prof = sub.add_parser("profile", help="work profile of one speculative round on the meta "
                                           "device: kernels, bytes, FLOPs, roofline projection")
     add_profile_options(prof, POSITIVE, NON_NEGATIVE)
@@ -289,30 +283,17 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     group = group_from_env(cfg.device, cfg.parallel.timeout_s)  # launched by torchrun
     if group is not None:
         try:
-            if group.size != cfg.parallel.tp:
-                raise ConfigError(f"torchrun started {group.size} processes but the config "
-                                  f"asks for parallel.tp = {cfg.parallel.tp} (set "
-                                  f"parallel.tp or --tp to {group.size})")
+            check_world_size(group, cfg.parallel.tp)
             status = _ranked(args, cfg, group)
         except BaseException:
             close_group(group, orderly=False)
             raise
         close_group(group)
-        _exit_rank(status)
+        exit_rank(status)
     if cfg.parallel.tp > 1:  # start the ranks on this machine; rank 0's status is ours
         return spawn(_rank_entry, cfg.parallel.tp, (argv,), cfg.device,
                      cfg.parallel.timeout_s, lead_decides=True)[0]
     return _ranked(args, cfg, TPGroup.single())
-
-
-def _exit_rank(status: int) -> None:
-    """End a torchrun rank now that its group is closed. A normal interpreter exit after a
-    gloo group (torch 2.13) sometimes aborts in a C++ destructor ("terminate called
-    without an active exception", SIGABRT) after all work is done, which torchrun then
-    reports as a failed run; leaving with ``os._exit`` skips those destructors."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _rank_entry(group: TPGroup, argv: list[str]) -> int:
@@ -330,8 +311,7 @@ def _ranked(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> int:
     of the model and follows rank 0 (``launch.follower``) until it shuts down."""
     _pin_threads(args.threads, cfg.device)
     if not group.is_driver:
-        models, _ = load_on_ranks(cfg, group)
-        serve(models, group)
+        load_and_follow(group, cfg)
         return 0
     status = _command(args.command)[1](args, cfg, group)
     shutdown(group)  # not on an error: the followers then see rank 0 go and exit

@@ -17,6 +17,13 @@ def add_kernels_option(parser: argparse.ArgumentParser, default: str | None = No
     parser.add_argument("--kernels", choices=KERNEL_MODES, default=default, help=KERNELS_HELP)
 
 
+def add_tp_option(parser: argparse.ArgumentParser, positive) -> None:
+    """``--tp`` of generate, bench and serve."""
+    parser.add_argument("--tp", type=positive, default=None,
+                        help="tensor-parallel ranks (YAML parallel.tp); without torchrun, "
+                             "this machine starts them itself")
+
+
 def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
     parser.add_argument("--config", help="YAML run config (default: the embedded CPU one)")
     parser.add_argument("--checkpoint", help="override the config's checkpoint")
@@ -54,7 +61,10 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
     parser.add_argument("--engine-thread", action="store_true",
                         help="run the engine on a thread of the server's process (sharing "
                              "its interpreter lock with HTTP, JSON and tokenizing) instead "
-                             "of in its own process")
+                             "of in its own process; refused with --tp N > 1 (under "
+                             "torchrun the engine runs on a thread of rank 0's process "
+                             "either way)")
+    add_tp_option(parser, positive)
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 

@@ -3,10 +3,10 @@
 Rank 0 runs the user's program (a server, ``generate``, the bench) and its engines
 send each decision over the group's ``Channel``: build an engine (every rank then
 builds and captures the same one), prefill prompt chunks into rows, run a round over
-slots, run a mirrored call (reference decoding), shut down. A follower never
-reads tokens back and never decides (``follow_prefill``, ``follow_round``): its state
-follows rank 0's exactly because every forward is the same and every collective
-result is the same on every rank.
+slots, run a mirrored call (reference decoding), ping (an idle server: rank 0 is
+alive), shut down. A follower never reads tokens back and never decides
+(``follow_prefill``, ``follow_round``): its state follows rank 0's exactly because
+every forward is the same and every collective result is the same on every rank.
 
 A receive that fails (rank 0 died or hung past the timeout) ends the loop with a
 ``ParallelError``, so no follower outlives its driver.
@@ -27,8 +27,11 @@ from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
 from ..runtime.generate import plain_generate, reference_generate
 from ..sampling import SamplingParams
+from .ranks import load_on_ranks
 
 log = logging.getLogger(__name__)
+
+PING_S = 5.0  # an idle rank 0 pings its followers at least this often (``ping``)
 
 # Calls rank 0 may mirror: each is deterministic given its arguments and the models,
 # so every rank takes the same host decisions from the same (all-gathered) logits.
@@ -49,6 +52,32 @@ def shutdown(group: TPGroup) -> None:
     """Rank 0: end the followers' loops (at the end of the program)."""
     if group.parallel and group.is_driver:
         group.channel.send(Message("shutdown"))
+
+
+def ping_every_s(group: TPGroup) -> float:
+    """How often an idle rank 0 pings: well inside the followers' bounded receive."""
+    return min(PING_S, group.timeout_s / 4) if group.timeout_s else PING_S
+
+
+def ping(group: TPGroup) -> None:
+    """Rank 0, idle (a server between requests): say it is alive. A follower's receive
+    is bounded by the group's timeout, so without a message that often it would take
+    rank 0 for gone. A ping that fails means a follower is gone: ``ParallelError``."""
+    if not (group.parallel and group.is_driver):
+        return
+    try:
+        group.channel.send(Message("ping"))
+    except Exception as exc:
+        raise ParallelError(f"tensor parallelism: rank 0 lost its followers "
+                            f"({type(exc).__name__}: {str(exc)[:300]})") from exc
+
+
+def load_and_follow(group: TPGroup, cfg) -> int:
+    """A follower rank's whole job: load its slices of the config's checkpoint (agreeing
+    with the others on what was loaded), then follow rank 0 until it shuts down -> the
+    number of messages handled."""
+    models, _ = load_on_ranks(cfg, group)
+    return serve(models, group)
 
 
 @torch.no_grad()
@@ -79,6 +108,8 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
         except Exception as exc:
             raise ParallelError(f"tensor parallelism: rank {group.rank} lost rank 0 "
                                 f"({type(exc).__name__}: {str(exc)[:300]})") from exc
+        if msg.kind == "ping":  # rank 0 is alive, and idle
+            continue
         handled += 1
         if msg.kind == "shutdown":
             return handled

@@ -1,12 +1,14 @@
 """Starting the ranks of a tensor-parallel group.
 
-Two ways in, one process group at the end (``TPGroup``):
+Three ways in, one process group at the end (``TPGroup``):
 
 - ``torchrun --nproc-per-node N -m nextn_graph ...``: torchrun sets ``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``group_from_env`` joins.
 - ``spawn(fn, tp)``: this machine starts ``tp`` processes itself (``--tp N`` on the
   command line, and the tests), each calling ``fn(group, *args)``; rank 0's return
   value comes back.
+- ``Followers(fn, tp)``: this process is rank 0 and starts ranks 1..tp-1 (``serve --tp
+  N``: the engine process), which exit when it is gone.
 
 Every process group gets a bounded ``timeout``: a rank that dies, hangs or loads a
 different model ends the others with an error instead of a hang.
@@ -21,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -31,7 +34,7 @@ import torch.multiprocessing as mp
 
 from ..checkpoint.loader import load_checkpoint
 from ..checkpoint.sharding import sharded_bytes
-from ..errors import ParallelError
+from ..errors import ConfigError, ParallelError
 from ..parallel.group import TPGroup
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -83,25 +86,77 @@ def close_group(group: TPGroup, orderly: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def _child(rank: int, size: int, port: int, device: str, timeout_s: float, fn: Callable,
-           args: tuple, results) -> None:
-    torch.set_num_threads(1)
-    group = None
-    try:
-        group = init_group(rank, size, device, timeout_s,
-                           init_method=f"tcp://127.0.0.1:{port}")
-        value = fn(group, *args)
-        close_group(group)
-        results.put((rank, "ok", value))
-    except BaseException as exc:  # reported to the parent, which raises
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        if group is not None:
-            close_group(group, orderly=False)
-    # A normal exit after a gloo group sometimes aborts in a C++ destructor (torch 2.13,
-    # "terminate called without an active exception"); the result is already sent.
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """How a rank started on this machine joins its group (picklable): over TCP on
+    loopback, ``port`` held by rank 0's store."""
+
+    size: int
+    port: int
+    device: str
+    timeout_s: float
+    threads: int = 1  # torch intra-op threads of a spawned rank
+
+    def join(self, rank: int) -> TPGroup:
+        return init_group(rank, self.size, self.device, self.timeout_s,
+                          init_method=f"tcp://127.0.0.1:{self.port}")
+
+
+def check_world_size(group: TPGroup, tp: int) -> None:
+    """Under torchrun the world size is the tensor-parallel size: refuse a mismatch."""
+    if group.size != tp:
+        raise ConfigError(f"torchrun started {group.size} processes but the config asks "
+                          f"for parallel.tp = {tp} (set parallel.tp or --tp to {group.size})")
+
+
+def exit_rank(status: int) -> None:
+    """End a rank now that its group is closed. A normal interpreter exit after a gloo
+    group (torch 2.13) sometimes aborts in a C++ destructor ("terminate called without
+    an active exception", SIGABRT) after all work is done, which torchrun then reports
+    as a failed run; leaving with ``os._exit`` skips those destructors."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def _watch(lifeline) -> None:
+    """Exit the moment the process holding the other end of ``lifeline`` is gone (it
+    exited, or was killed: the pipe's end closes either way)."""
+    def wait() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        print("nextn-graph: rank 0's process is gone: exiting", file=sys.stderr)
+        exit_rank(1)
+    threading.Thread(target=wait, name="nextn-lifeline", daemon=True).start()
+
+
+def _child(rank: int, spec: RankSpec, fn: Callable, args: tuple, results,
+           lifeline=None) -> None:
+    """One spawned rank: join, run ``fn(group, *args)``, leave. Its result goes to
+    ``results`` (``spawn``); without a queue an error is printed and the exit status is 1
+    (``Followers``)."""
+    torch.set_num_threads(spec.threads)
+    if lifeline is not None:
+        _watch(lifeline)
+    group, status = None, 0
+    try:
+        group = spec.join(rank)
+        value = fn(group, *args)
+        close_group(group)
+        if results is not None:
+            results.put((rank, "ok", value))
+    except BaseException as exc:  # reported to the parent, which raises
+        text = f"{type(exc).__name__}: {exc}"
+        if results is not None:
+            results.put((rank, "error", f"{text}\n{traceback.format_exc()}"))
+        else:
+            print(f"nextn-graph: error (rank {rank}): {text}", file=sys.stderr)
+            status = 1
+        if group is not None:
+            close_group(group, orderly=False)
+    exit_rank(status)  # the result is already sent (see exit_rank)
 
 
 def spawn(fn: Callable[..., Any], tp: int, args: tuple = (), device: str = "cpu",
@@ -114,9 +169,9 @@ def spawn(fn: Callable[..., Any], tp: int, args: tuple = (), device: str = "cpu"
     tensor is shared through its rank's file descriptors, gone once the rank exits."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, tp, port, device, timeout_s, fn, args,
-                                             results), daemon=False) for r in range(tp)]
+    spec = RankSpec(tp, free_port(), device, timeout_s)
+    procs = [ctx.Process(target=_child, args=(r, spec, fn, args, results), daemon=False)
+             for r in range(tp)]
     for p in procs:
         p.start()
     got: dict[int, tuple[str, Any]] = {}
@@ -144,6 +199,53 @@ def spawn(fn: Callable[..., Any], tp: int, args: tuple = (), device: str = "cpu"
         raise ParallelError(f"tensor parallelism: rank(s) {dead} of {tp} died "
                             f"(exit codes {codes})")
     return [got[r][1] for r in range(tp)]
+
+
+class Followers:
+    """Ranks 1..tp-1 of a group whose rank 0 is this process, started here (``serve --tp
+    N``: the engine process leads them), each running ``fn(group, *args)``.
+
+    They never outlive this process: they are daemonic, and each watches a lifeline pipe
+    whose other end only this process holds, so they exit when it is gone however it
+    ended (an exit, SIGKILL). ``end`` closes that pipe and kills what is left; call it
+    before this process exits (a follower may ignore the SIGTERM that multiprocessing
+    sends its daemonic children at exit)."""
+
+    def __init__(self, fn: Callable[..., Any], tp: int, args: tuple = (), device: str = "cpu",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1):
+        ctx = mp.get_context("spawn")
+        self.spec = RankSpec(tp, free_port(), device, timeout_s, threads)
+        watched, self._lifeline = ctx.Pipe(duplex=False)
+        self.procs = [ctx.Process(target=_child, name=f"nextn-rank{r}", daemon=True,
+                                  args=(r, self.spec, fn, args, None, watched))
+                      for r in range(1, tp)]
+        for p in self.procs:
+            p.start()
+        watched.close()  # the followers' end: closed here, held by them alone
+
+    def join(self) -> TPGroup:
+        """This process joins as rank 0 (bounded by the group's timeout)."""
+        return self.spec.join(0)
+
+    def dead(self) -> str | None:
+        """Why the first follower that is gone is gone, or None while all run."""
+        for rank, p in enumerate(self.procs, 1):
+            if not p.is_alive():
+                return (f"tensor parallelism: rank {rank} of {self.spec.size} exited "
+                        f"(exit code {p.exitcode})")
+        return None
+
+    def end(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for the followers to exit (after ``shutdown``), then kill
+        the ones left; the lifeline closes, so any that lost rank 0 exits too."""
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0.0))
+        self._lifeline.close()
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(wait_s)
 
 
 def fingerprint(run_config: Any, model_config: Any) -> str:

@@ -1,7 +1,8 @@
 """The served engine built (load, build, capture), and what the server's front learns
 of it.
 
-``build_engine`` runs where the engine lives (its own process, or the engine thread).
+``build_engine`` runs where the engine lives (its own process, or the engine thread;
+on a tensor-parallel group, rank 0's).
 It returns the engine and its ``EngineFacts``: the plain fields of ``ModelInfo``, sent
 across once the engine is ready. The front adds the model's name, its tokenizer and
 chat template itself (``describe``), from the checkpoint directory: it never builds the
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checkpoint.loader import load_checkpoint, resolve_checkpoint
+from ..checkpoint.loader import resolve_checkpoint
 from ..checkpoint.tokenizer import load_tokenizer
 from ..config import RunConfig
+from ..launch.ranks import load_on_ranks
+from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
 from .chat import load_chat_template
 from .protocol import ModelInfo
@@ -33,11 +36,12 @@ class EngineFacts:
     penalties: bool  # graph.penalties
 
 
-def build_engine(cfg: RunConfig, plain: bool = False) -> tuple[SpecEngine, EngineFacts]:
+def build_engine(cfg: RunConfig, plain: bool = False,
+                 group: TPGroup | None = None) -> tuple[SpecEngine, EngineFacts]:
     """Load, build and capture. ``plain``: decode without the draft (``speculative``
-    None), for comparisons."""
-    models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
-                             kernels=cfg.kernels)
+    None), for comparisons. ``group``: this process is rank 0 of a tensor-parallel
+    group (its followers load and build alongside, ``launch.follower``); None: one rank."""
+    models, _ = load_on_ranks(cfg, group or TPGroup.single())
     engine = SpecEngine(models.target, models.draft, None if plain else cfg.speculative,
                         cfg.pool, cfg.graph, scheduler=cfg.scheduler)
     mc = engine.cfg

@@ -14,6 +14,12 @@ thread of the server. That reader sees the end of the pipe when the process is g
 N)". The engine process ignores SIGINT and SIGTERM: a Ctrl-C in the terminal, or a
 SIGTERM to the whole group, reaches the server, which drains and then stops the engine
 with a command; and it stops by itself when the server's end of the pipe closes.
+
+Tensor parallelism: with ``parallel.tp`` N > 1 the engine process is rank 0 and spawns
+ranks 1..N-1 (``launch.ranks.Followers``: they load, build and follow its engine, and
+exit when it is gone); under torchrun the group is the server's own, and a
+``ThreadHost`` runs rank 0's engine. Either way the loop's ``Inbox`` pings the
+followers while idle, and the loop's end shuts them down.
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..config import RunConfig
+from ..errors import ParallelError
+from ..launch.follower import load_and_follow, ping, ping_every_s, shutdown
+from ..launch.ranks import Followers, close_group, exit_rank
+from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
 from .build import EngineFacts, build_engine
 from .loop import EngineLoop
@@ -46,14 +57,49 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class Inbox(queue.Queue):
+    """The engine loop's command queue. On a tensor-parallel group, a blocking wait that
+    finds nothing (the loop is idle: a server between requests) pings the followers at
+    least every ``follower.ping_every_s``, since their receive is bounded by the group's
+    timeout. Only the loop's thread gets, so a ping never meets the engine's messages."""
+
+    def __init__(self, group: TPGroup):
+        super().__init__()
+        self._group = group
+        self._every_s = ping_every_s(group) if group.parallel else 0.0
+        self._next = time.monotonic() + self._every_s
+
+    def get(self, block: bool = True, timeout: float | None = None) -> tuple:
+        try:
+            return super().get(block, timeout)
+        except queue.Empty:
+            if block and self._group.parallel and time.monotonic() >= self._next:
+                ping(self._group)  # a follower gone: ParallelError, the loop ends
+                self._next = time.monotonic() + self._every_s
+            raise
+
+
+def _shutdown(group: TPGroup) -> None:
+    """Rank 0, its loop over: end the followers' loops (those still there)."""
+    try:
+        shutdown(group)
+    except Exception as exc:  # a follower gone already: nothing left to tell
+        log.warning("the followers' shutdown failed: %s", _reason(exc))
+
+
 class ThreadHost:
     """The engine loop on a thread of this process: it shares the interpreter lock with
-    the HTTP side (uvicorn, JSON, tokenizing)."""
+    the HTTP side (uvicorn, JSON, tokenizing). ``group``: ``build`` makes rank 0's engine
+    of that tensor-parallel group (under torchrun: the group lives in this process);
+    the loop pings the followers while idle and shuts them down once it ends. Closing
+    the group is the caller's, once the host stopped."""
 
     def __init__(self, build: Callable[[], tuple[SpecEngine, EngineFacts]],
-                 prepare: Callable[[SpecEngine], None] | None = None):
+                 prepare: Callable[[SpecEngine], None] | None = None,
+                 group: TPGroup | None = None):
         self._build, self._prepare = build, prepare
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._group = group or TPGroup.single()
+        self._commands = Inbox(self._group)
         self.engine: SpecEngine | None = None  # once built (tests reach into it)
         self._thread: threading.Thread | None = None
 
@@ -73,9 +119,10 @@ class ThreadHost:
             return
         try:
             EngineLoop(self.engine, self._commands, worker.publish).run()
-        except BaseException as exc:  # a bug in the loop: no request is left hanging
+        except BaseException as exc:  # a bug, a lost group: no request is left hanging
             log.error("the engine thread raised", exc_info=exc)
-            worker.ended(f"the engine thread died ({_reason(exc)[:300]})")
+            return worker.ended(f"the engine thread died ({_reason(exc)[:300]})")
+        _shutdown(self._group)
 
     def send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -100,14 +147,19 @@ class EngineSpec:
 
 
 class ProcessHost:
-    """The engine loop in a process of its own (``multiprocessing``, ``spawn``)."""
+    """The engine loop in a process of its own (``multiprocessing``, ``spawn``). With
+    ``parallel.tp`` N > 1 that process is rank 0 and starts the N - 1 follower ranks
+    itself (``engine_main``), so it is not daemonic (a daemonic process may not have
+    children): this process kills it at exit (``atexit``), and it stops by itself when
+    its command pipe closes."""
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self.process: multiprocessing.process.BaseProcess | None = None
         self._send_lock = threading.Lock()  # commands come from asyncio and from stop()
         self._stopping = False
-        self._settled = False  # the build failed, or the front refused the engine
+        self._settled = False  # the build failed, the front refused the engine, or the
+        # engine process said why it ended: its exit code adds nothing
         self._reader: threading.Thread | None = None
 
     @property
@@ -118,7 +170,7 @@ class ProcessHost:
         ctx = multiprocessing.get_context("spawn")
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._reports, reports_out = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=engine_main, name="nextn-engine", daemon=True,
+        self.process = ctx.Process(target=engine_main, name="nextn-engine", daemon=False,
                                    args=(self.spec, commands_in, reports_out))
         self.process.start()
         commands_in.close()  # the engine process's ends: closed here, so the reader
@@ -153,7 +205,7 @@ class ProcessHost:
         if self.process.exitcode is None:  # the pipe closed, the process hangs on
             self._kill()
         code = self.process.exitcode
-        if not (code == 0 and (self._stopping or self._settled)):
+        if not (self._settled or (code == 0 and self._stopping)):
             worker.ended(f"the engine process died (exit code {code})")
 
     def _take(self, worker: "EngineWorker", kind: str, arg) -> None:
@@ -166,6 +218,9 @@ class ProcessHost:
         elif kind == "failed":
             self._settled = True
             worker.build_failed(arg)
+        elif kind == "ended":  # the loop raised (a lost tensor-parallel group)
+            self._settled = True
+            worker.ended(arg)
         else:
             raise ValueError(f"unknown message {kind!r} from the engine process")
 
@@ -191,28 +246,106 @@ class ProcessHost:
 
 
 def engine_main(spec: EngineSpec, commands, reports) -> None:
-    """The engine process: build, say ready (or why not), run the loop until stopped."""
+    """The engine process: build, say ready (or why not), run the loop until stopped.
+    With ``parallel.tp`` N > 1 it is rank 0: it starts ranks 1..N-1 (``Followers``),
+    which load and build alongside it, and shuts them down at the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level.upper(),
                         format="%(levelname)s:     [engine] %(message)s")
     if spec.cfg.device.split(":")[0] == "cpu":
         torch.set_num_threads(spec.threads)
+    par = spec.cfg.parallel
+    if par.tp == 1:
+        built = _build(spec, reports, None)
+        if built is not None:
+            _run(*built, commands, reports)
+        return
+    followers = Followers(follower_main, par.tp, (spec.cfg,), spec.cfg.device, par.timeout_s,
+                          spec.threads)
+    status = 1
     try:
-        engine, facts = build_engine(spec.cfg, spec.plain)
+        built = _build(spec, reports, followers)
+        if built is not None:
+            engine, group = built
+            if _run(engine, group, commands, reports):
+                _shutdown(group)
+                status = 0
+            close_group(group, orderly=status == 0)
+    finally:
+        followers.end(EXIT_WAIT_S)
+        reports.close()
+        exit_rank(status)  # (not the interpreter's exit: see launch.ranks.exit_rank)
+
+
+def follower_main(group: TPGroup, cfg: RunConfig) -> int:
+    """A follower rank of the engine process (``serve --tp N``): load, follow rank 0 until
+    it shuts down. Signals are rank 0's to act on, as in the engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return load_and_follow(group, cfg)
+
+
+def _build(spec: EngineSpec, reports, followers: Followers | None):
+    """Build the engine (rank 0 of the followers' group, when there are some) and say
+    ready -> (engine, group); or say why not -> None. A follower that exits before the
+    engine is ready fails the build at once (``_watch_build``), not after a timeout."""
+    settled, lock = threading.Event(), threading.Lock()
+
+    def settle(message: tuple) -> bool:  # one of "ready" / "failed" is sent, once
+        with lock:
+            if settled.is_set():
+                return False
+            settled.set()
+            reports.send(message)
+            return True
+
+    if followers is not None:
+        threading.Thread(target=_watch_build, args=(followers, settled, settle),
+                         name="nextn-build-watch", daemon=True).start()
+    try:
+        group = followers.join() if followers is not None else TPGroup.single()
+        engine, facts = build_engine(spec.cfg, spec.plain, group)
         if spec.prepare is not None:
             spec.prepare(engine)
     except Exception as exc:
-        reports.send(("failed", _reason(exc)))
-        return
-    reports.send(("ready", facts))
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
+        dead = followers.dead() if followers is not None else None
+        settle(("failed", f"{dead}; rank 0: {_reason(exc)}" if dead else _reason(exc)))
+        return None
+    return (engine, group) if settle(("ready", facts)) else None
+
+
+def _watch_build(followers: Followers, settled: threading.Event, settle) -> None:
+    """While the engine builds: a follower gone would leave rank 0 waiting in a
+    collective until the group's timeout; say so and end the process now."""
+    while not settled.wait(0.1):
+        dead = followers.dead()
+        if dead is not None and settle(("failed", f"{dead} while the engine was being "
+                                                  f"built")):
+            followers.end(0.0)
+            exit_rank(1)
+
+
+def _run(engine: SpecEngine, group: TPGroup, commands, reports) -> bool:
+    """The loop, until a stop (or the server's end of the pipe closing) -> True; False
+    when it raised (a bug, a lost group), after saying why."""
+    inbox = Inbox(group)
     threading.Thread(target=_forward, args=(commands, inbox), name="nextn-commands",
                      daemon=True).start()
-    EngineLoop(engine, inbox, lambda report: reports.send(("report", report))).run()
+    try:
+        EngineLoop(engine, inbox, lambda report: reports.send(("report", report))).run()
+    except BaseException as exc:  # (a lost group: its reason says it all)
+        log.error("the engine loop raised", exc_info=None if isinstance(
+            exc, ParallelError) else exc)
+        try:
+            reports.send(("ended", f"the engine loop died ({_reason(exc)[:300]})"))
+        except OSError:  # the server is gone too
+            pass
+        return False
+    return True
 
 
-def _forward(commands, inbox: queue.SimpleQueue) -> None:
+def _forward(commands, inbox: Inbox) -> None:
     """Commands from the pipe onto the loop's queue; the server gone is a stop."""
     while True:
         try:

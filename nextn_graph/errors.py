@@ -26,7 +26,18 @@ class CheckpointError(NextnGraphError):
 
 
 class InputError(NextnGraphError):
-    """A prompt or request is malformed (empty, too long, token out of vocabulary)."""
+    """A prompt or request is malformed (empty, too long, token out of vocabulary).
+
+    ``field``: the argument at fault (``"max_new_tokens"``, ``"top_p"``, ...) as data, so
+    a caller maps it without reading the message; None when no single field is.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # (pickled across a process boundary with its field)
+        return type(self), (*self.args, self.field)
 
 
 class CapacityError(NextnGraphError):

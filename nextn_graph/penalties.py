@@ -37,16 +37,18 @@ def check_penalties(p, where: str) -> dict:
     for key in ("presence_penalty", "frequency_penalty"):
         v = getattr(p, key)
         if not _real(v) or not -2 <= v <= 2:
-            raise InputError(f"{where}: {key} must be a number in [-2, 2], got {show_value(v)}")
+            raise InputError(f"{where}: {key} must be a number in [-2, 2], got {show_value(v)}",
+                             field=key)
         out[key] = float(v)
     r = p.repetition_penalty
     if not _real(r) or not (math.isfinite(r) and 0 < r <= 100):
         raise InputError(f"{where}: repetition_penalty must be a number in (0, 100] (1 = off), "
-                         f"got {show_value(r)}")
+                         f"got {show_value(r)}", field="repetition_penalty")
     out["repetition_penalty"] = float(r)
     m = p.min_tokens
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-        raise InputError(f"{where}: min_tokens must be an integer >= 0, got {show_value(m)}")
+        raise InputError(f"{where}: min_tokens must be an integer >= 0, got {show_value(m)}",
+                         field="min_tokens")
     out["min_tokens"] = m
     out["logit_bias"] = _bias(p.logit_bias, where)
     return out
@@ -58,18 +60,19 @@ def _bias(value: object, where: str) -> tuple[tuple[int, float], ...]:
         pairs = [(k, v) for k, v in items]
     except (TypeError, ValueError):
         raise InputError(f"{where}: logit_bias must map token ids to biases, got "
-                         f"{show_value(value)}") from None
+                         f"{show_value(value)}", field="logit_bias") from None
     if len(pairs) > MAX_LOGIT_BIAS:
         raise InputError(f"{where}: logit_bias has {len(pairs)} entries, at most "
-                         f"{MAX_LOGIT_BIAS} are taken")
+                         f"{MAX_LOGIT_BIAS} are taken", field="logit_bias")
     out = {}
     for k, v in pairs:
         tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-            raise InputError(f"{where}: logit_bias key {show_value(k)} is not a token id")
+            raise InputError(f"{where}: logit_bias key {show_value(k)} is not a token id",
+                             field="logit_bias")
         if not _real(v) or not -100 <= v <= 100:
             raise InputError(f"{where}: logit_bias[{tok}] must be a number in [-100, 100], "
-                             f"got {show_value(v)}")
+                             f"got {show_value(v)}", field="logit_bias")
         out[tok] = float(v)
     return tuple(sorted(out.items()))
 

@@ -70,18 +70,20 @@ class SamplingParams:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
         if not _real(t) or not (math.isfinite(t) and t >= 0):
             raise InputError(f"{where}: temperature must be a finite number >= 0 (0 = greedy), "
-                             f"got {show_value(t)}")
+                             f"got {show_value(t)}", field="temperature")
         if not _real(p) or not 0 < p <= 1:
-            raise InputError(f"{where}: top_p must lie in (0, 1], got {show_value(p)}")
+            raise InputError(f"{where}: top_p must lie in (0, 1], got {show_value(p)}",
+                             field="top_p")
         if not _integer(k) or k < 0:
             raise InputError(f"{where}: top_k must be an integer >= 0 (0 = off), got "
-                             f"{show_value(k)}")
+                             f"{show_value(k)}", field="top_k")
         if s is not None and (not _integer(s) or not 0 <= s < SEED_LIMIT):
             raise InputError(f"{where}: seed must be an integer in [0, 2**63) or None, got "
-                             f"{show_value(s)}")
+                             f"{show_value(s)}", field="seed")
         m = self.min_p
         if not _real(m) or not 0 <= m <= 1:
-            raise InputError(f"{where}: min_p must lie in [0, 1] (0 = off), got {show_value(m)}")
+            raise InputError(f"{where}: min_p must lie in [0, 1] (0 = off), got {show_value(m)}",
+                             field="min_p")
         return dataclasses.replace(self, temperature=float(t), top_p=float(p), top_k=int(k),
                                    seed=None if s is None else int(s), min_p=float(m),
                                    **check_penalties(self, where))
@@ -100,7 +102,8 @@ def with_bans(params: SamplingParams, stop_ids: frozenset[int], where: str) -> S
         return dataclasses.replace(params, ban_ids=())
     if len(stop_ids) > MAX_BAN_IDS:
         raise InputError(f"{where}: min_tokens holds back the stop ids, and this request has "
-                         f"{len(stop_ids)} (at most {MAX_BAN_IDS} with min_tokens)")
+                         f"{len(stop_ids)} (at most {MAX_BAN_IDS} with min_tokens)",
+                         field="min_tokens")
     return dataclasses.replace(params, ban_ids=tuple(sorted(stop_ids)))
 
 
@@ -127,11 +130,12 @@ def sampling_params(value: object, where: str) -> SamplingParams:
         unknown = [k for k in value if k not in KEYS]
         if unknown:
             raise InputError(f"{where}: unknown sampling key {show_value(unknown[0])} "
-                             f"(known: {', '.join(KEYS)})")
+                             f"(known: {', '.join(KEYS)})", field="sampling")
         value = SamplingParams(**value)
     if not isinstance(value, SamplingParams):
         raise InputError(f"{where}: sampling must be a SamplingParams, a mapping of "
-                         f"{', '.join(KEYS)}, or None, got {show_value(value)}")
+                         f"{', '.join(KEYS)}, or None, got {show_value(value)}",
+                         field="sampling")
     return value.checked(where).resolved()
 
 
@@ -141,7 +145,7 @@ def sampling_per_prompt(value: object, n: int) -> list[SamplingParams]:
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         if len(value) != n:
             raise InputError(f"sampling: a list needs one entry per prompt ({n}), got "
-                             f"{len(value)}")
+                             f"{len(value)}", field="sampling")
         return [sampling_params(v, f"request {i}") for i, v in enumerate(value)]
     return [sampling_params(value, f"request {i}") for i in range(n)]
 

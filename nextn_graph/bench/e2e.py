@@ -51,7 +51,7 @@ def e2e_run(engine: SpecEngine, prompts: list[list[int]], max_new: int,
     and run to completion on an idle engine: each request's latency from ``add_request``
     to its last token (prefill included), the tokens and wall time of the batch, and the
     engine's acceptance counters over the run. ``sampling``: per request (None: greedy)."""
-    before, sampled = engine.stats.as_dict(), engine.runner.counters.sampled_rounds
+    before, sampled = engine.stats.as_dict(), engine.chunks.counters.sampled_chunks
     start = time.perf_counter()
     rids = [engine.add_request(p, max_new, stop_ids=[], sampling=s)
             for p, s in zip(prompts, sampling or [None] * len(prompts))]
@@ -69,7 +69,7 @@ def e2e_run(engine: SpecEngine, prompts: list[list[int]], max_new: int,
     return {"latency_s": [done[rid] for rid in rids], "tokens": tokens, "wall_s": wall,
             **{k: after[k] - before[k]
                for k in ("accepted_drafts", "proposed_drafts", "request_rounds")},
-            "sampled_rounds": engine.runner.counters.sampled_rounds - sampled}
+            "sampled_chunks": engine.chunks.counters.sampled_chunks - sampled}
 
 
 def e2e_summary(runs: dict[str, list[dict]], requests: int, max_new: int,
@@ -95,8 +95,8 @@ def e2e_summary(runs: dict[str, list[dict]], requests: int, max_new: int,
             "acceptance_length": (accepted + request_rounds) / request_rounds,
             "draft_acceptance_rate": accepted / max(sum(r["proposed_drafts"] for r in spec), 1),
             # chunks run in the sampling graph variants: 0 greedy
-            "sampled_rounds": {"spec": sum(r["sampled_rounds"] for r in spec),
-                               "plain": sum(r["sampled_rounds"] for r in plain)}}
+            "sampled_chunks": {"spec": sum(r["sampled_chunks"] for r in spec),
+                               "plain": sum(r["sampled_chunks"] for r in plain)}}
 
 
 def sampling_summary(buckets: list[dict], temperature: float) -> dict | None:

@@ -46,7 +46,7 @@ class Engines:
     @property
     def fused(self) -> bool:
         """The config's graph round is one fused graph (else split, or no graphs)."""
-        return self.graph_spec is not None and self.graph_spec.runner.round.fused
+        return self.graph_spec is not None and self.graph_spec.chunks.round.fused
 
     def split_mode(self) -> str | None:
         """The mode name of the split-graph speculative engine, if any."""

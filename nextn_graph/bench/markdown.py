@@ -60,12 +60,12 @@ JSON_KEYS = """## JSON keys (per bucket, `buckets[i]`)
   `round_ms_median`, `host_ms_median`, `tpot_ms`, `phase_times` (split only).
 - `fused_vs_split_latency`, `overlap_vs_fused_latency`: round latency ratios.
 - `round_trace.{fused,overlap}`: the fused round, overlap off and on, over `rounds`
-  steady rounds under the runner's trace (null where that mode is not measured).
+  steady rounds under the chunks' trace (null where that mode is not measured).
   `events`: the last repeat's `launch` (staging, replays, starting the readback copy)
   and `read` (waiting for the copy, decoding it) per round, as `event`, `round` (the
   i-th traced round is round i; -1: launched before the trace), `start_ms` and `end_ms`
   from the first event; `read_wait_ms` and `overlapped_rounds` per round of the last
-  repeat (`runner.read_wait_s`, `counters.overlapped_rounds` deltas: 1 where the round
+  repeat (the `read_wait` events, `counters.overlapped_rounds` deltas: 1 where the round
   was launched with an earlier one unread); `read_wait_ms_median` and
   `overlapped_per_round` over every repeat's rounds; `pairs`: the (read k, launch k+1)
   pairs of the last repeat; `launch_before_prev_read` (round k+1's launch starts before
@@ -73,7 +73,7 @@ JSON_KEYS = """## JSON keys (per bucket, `buckets[i]`)
   `read_before_next_launch` (round k's read ends before round k+1's launch), each true
   when it held for every pair of every repeat; `repeats`.
 - `host_ms_median` (every graph summary and the compile peer): round wall time minus
-  the time inside graph replay calls (`runner.replay_s`), median per steady round. On
+  the time inside graph replay calls (the `replay` events), median per steady round. On
   the CPU emulator a replay runs its kernels, so this is host overhead; on a device a
   replay call is a launch, and the readback's wait for the device lands here.
 - `phase_times` (eager spec and split graphs): mean ms per round of each phase
@@ -92,8 +92,8 @@ JSON_KEYS = """## JSON keys (per bucket, `buckets[i]`)
   prefill included), `output_tokens_per_s`; `latency_ratio` and `throughput_ratio`
   (spec over plain); `acceptance_length` (accepted drafts + bonus per request-round of
   the speculative runs, as `spec_vs_plain.acceptance_length` over steady rounds) and
-  `draft_acceptance_rate`; `temperature` (0: greedy); `sampled_rounds.{spec,plain}`
-  (chunks run in the sampling graph variants, `runner.counters.sampled_rounds`).
+  `draft_acceptance_rate`; `temperature` (0: greedy); `sampled_chunks.{spec,plain}`
+  (chunks run in the sampling graph variants, `chunks.counters.sampled_chunks`).
 - `e2e_sampled`: the same, with every request sampling at `bench.temperature` (top_p
   1, top_k 0, seed = request index, so every run draws the same tokens; speculative
   rounds accept by rejection sampling); null with `bench.temperature` 0.
@@ -159,7 +159,7 @@ def _trace_section(report: dict) -> str:
     return f"""## Per-round trace
 
 The fused round, overlap off and on, over a few steady rounds per bucket under the
-runner's trace: each round's launch (staging, replay, starting the readback copy) and
+chunks' trace: each round's launch (staging, replay, starting the readback copy) and
 read (waiting for that copy, decoding it), in host time. order: L launch, R read, then
 the round (R-1: the round launched before the trace); events of the last repeat, the
 rest over every repeat. With overlap a step launches round k+1 before it reads round k,

@@ -5,12 +5,12 @@ once (``engines.build_engines``: speculative and plain, eager and graphs, and
 where the config's round is fused the split round and the fused round with
 overlap on; the compile peer with ``bench.compile_peer``). After warm-up, each
 steady round (all B requests running, no admission) is timed on the host, with
-the host seconds spent outside graph replays (``runner.replay_s``); the fused
+the host seconds spent outside graph replays (``phases.ReplayClock``); the fused
 round, overlap off and on, is then traced for a few rounds (``trace``); engines
 with phases (eager, split graphs) time a few rounds phase by phase
 (``phases.PhaseTimer``); one more round is counted by one counter
 (``phases.count_round``), split by phase: kernel-launching ops in eager mode; in
-graph mode the runner's counters (replays, staging and readback copies, updates)
+graph mode the chunks' counters (replays, staging and readback copies, updates)
 plus the ops of any phase left eager. Requests are then aborted, so every
 measurement starts from the same state; last, B requests of ``E2E_MAX_NEW`` tokens
 run to completion, speculatively and plainly (``e2e``), greedy and, with
@@ -32,7 +32,7 @@ from ..profile.counting import RoundCounter, compiled_counter, launch_counter
 from ..runtime.engine import SpecEngine
 from .e2e import E2E_MAX_NEW, e2e_max_new, e2e_run, e2e_modes, e2e_summary
 from .engines import Engines, build_engines
-from .phases import PhaseTimer, count_round
+from .phases import PhaseTimer, ReplayClock, count_round
 from .summary import compile_summary, ratio, round_modes, round_traces, summary
 from .trace import TRACE_ROUNDS, record_trace, round_trace
 
@@ -77,14 +77,14 @@ def _time_phases(engine: SpecEngine, n: int, rounds: int) -> dict:
     """``rounds`` steady rounds under a ``PhaseTimer``: their wall times and the seconds
     of each phase summed over them."""
     timer, walls = PhaseTimer(engine.device), []
-    engine.runner.observer = timer
+    engine.chunks.observer = timer
     try:
         for _ in range(rounds):
             start = time.perf_counter()
             _steady(engine.step(), n)
             walls.append(time.perf_counter() - start)
     finally:
-        engine.runner.observer = None
+        engine.chunks.observer = None
     return {"round_s": walls, "phase_s": dict(timer.seconds),
             "synchronized": timer.synchronized}
 
@@ -96,7 +96,7 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
     """Steady rounds of ``len(prompts)`` requests on one engine; ``counter(device)``
     makes the counter of the counted round (``count_round``'s ``trace_replays``);
     ``time_phases``: also ``st.phase_rounds`` rounds timed phase by phase; ``trace``:
-    also ``TRACE_ROUNDS`` rounds under the runner's trace (``trace.record_trace``)."""
+    also ``TRACE_ROUNDS`` rounds under the chunks' trace (``trace.record_trace``)."""
     phase_rounds = st.phase_rounds if time_phases else 0
     trace_rounds = TRACE_ROUNDS if trace else 0
     # first, warm-up, timed, traced, phase-timed, counted
@@ -107,27 +107,31 @@ def measure(engine: SpecEngine, prompts: list[list[int]], st: BenchSettings,
     rids = [engine.add_request(p, max_new, stop_ids=[]) for p in prompts]
     engine.step()  # admission and prefill, then the first round
     before = engine.stats.as_dict()  # steady rounds only from here
-    for i in range(st.warmup_rounds + st.timed_rounds):
-        replay_s = engine.runner.replay_s
-        start = time.perf_counter()
-        outs = engine.step()
-        elapsed = time.perf_counter() - start
-        _steady(outs, len(prompts))
-        if i >= st.warmup_rounds:
-            times.append(elapsed)
-            # the host's part of the round: all but the graph replay calls
-            host.append(elapsed - (engine.runner.replay_s - replay_s))
-            tokens += sum(len(o.new_tokens) for o in outs)
+    clock = engine.chunks.observer = ReplayClock()
+    try:
+        for i in range(st.warmup_rounds + st.timed_rounds):
+            replay_s = clock.seconds
+            start = time.perf_counter()
+            outs = engine.step()
+            elapsed = time.perf_counter() - start
+            _steady(outs, len(prompts))
+            if i >= st.warmup_rounds:
+                times.append(elapsed)
+                # the host's part of the round: all but the graph replay calls
+                host.append(elapsed - (clock.seconds - replay_s))
+                tokens += sum(len(o.new_tokens) for o in outs)
+    finally:
+        engine.chunks.observer = None
 
     def steady() -> list:  # one untimed steady round
         return _steady(engine.step(), len(prompts))
 
-    traced = round_trace(record_trace(engine.runner, steady, trace_rounds)) if trace else None
+    traced = round_trace(record_trace(engine.chunks, steady, trace_rounds)) if trace else None
     phases = _time_phases(engine, len(prompts), phase_rounds) if time_phases else None
-    counters_before = engine.runner.counters.as_dict()
+    counters_before = engine.chunks.counters.as_dict()
     issued_before = engine.tp.counts.as_dict()
-    counted = count_round(engine.runner, steady, counter(str(engine.device)), trace_replays)
-    counters = {k: v - counters_before[k] for k, v in engine.runner.counters.as_dict().items()}
+    counted = count_round(engine.chunks, steady, counter(str(engine.device)), trace_replays)
+    counters = {k: v - counters_before[k] for k, v in engine.chunks.counters.as_dict().items()}
     issued = {k: v - issued_before[k] for k, v in engine.tp.counts.as_dict().items()}
     after = engine.stats.as_dict()
     for rid in rids:

@@ -1,5 +1,5 @@
 """Observing a round phase by phase: its launches (``count_round``) and its time
-(``PhaseTimer``), both as the runner's observer (``runner.observer``)."""
+(``PhaseTimer``), both as the chunks' observer (``ChunkRunner.observer``)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ from typing import Callable
 
 import torch
 
-from ..graph.runner import RoundObserver
+from ..runtime.chunks import ChunkRunner, RoundObserver
 from ..profile.counting import OUTSIDE_PHASES, RoundCounter
 
 
-def count_round(runner, step: Callable[[], object], counter: RoundCounter,
+def count_round(chunks: ChunkRunner, step: Callable[[], object], counter: RoundCounter,
                 trace_replays: bool = False) -> dict:
     """Run ``step`` (one round) under ``counter``, the round's only counter: every
     submission, split by the phases that ran eagerly (a replayed phase is one submission,
-    the runner's to count) and ``OUTSIDE_PHASES`` for the rest (staging, readback).
+    the chunks' counters') and ``OUTSIDE_PHASES`` for the rest (staging, readback).
     ``trace_replays``: replays are phases too (a compiled graph's call is many launches)."""
-    runner.observer = _PhaseCounter(counter, trace_replays)
+    chunks.observer = _PhaseCounter(counter, trace_replays)
     try:
         with counter:
             step()
     finally:
-        runner.observer = None
+        chunks.observer = None
     per_phase = dict(counter.per_phase)
     return {"launches": counter.launches, "method": counter.method,
             "outside_phases": per_phase.pop(OUTSIDE_PHASES, 0), "phases": per_phase}
@@ -41,8 +41,19 @@ class _PhaseCounter(RoundObserver):
         return nullcontext() if replayed and not self.trace_replays else self.counter.phase(kind)
 
 
+class ReplayClock(RoundObserver):
+    """Sums the host seconds spent inside graph replay calls."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def event(self, name: str, start: float, end: float) -> None:
+        if name == "replay":
+            self.seconds += end - start
+
+
 class PhaseTimer(RoundObserver):
-    """A runner observer (``runner.observer``): host seconds per phase kind of the rounds it
+    """An observer (``ChunkRunner.observer``): host seconds per phase kind of the rounds it
     watches. On CPU every kernel has run when a phase returns; on a device a phase's
     time would be its launch time only, so there each phase starts and ends with a device
     sync (staging before it and its kernels inside it), which is why the bench times

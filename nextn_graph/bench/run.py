@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint.loader import weight_bytes
 from ..config import RunConfig, compile_peer
-from ..graph.runner import plan_chunks
+from ..runtime.chunks import plan_chunks
 from ..launch.ranks import load_on_ranks
 from ..parallel.group import TPGroup
 from ..progress import progress_bar
@@ -28,7 +28,7 @@ def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
     rows = []
     for b in range(1, max_requests + 1):
         chunks = plan_chunks(b, buckets)
-        padded = sum(bucket - size for size, bucket in chunks)
+        padded = sum(bucket - (part.stop - part.start) for part, bucket in chunks)
         rows.append({"batch": b, "padded_rows": padded, "chunks": len(chunks)})
     real = sum(r["batch"] for r in rows)
     return {"per_batch_size": rows,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 from ..profile.counting import OUTSIDE_PHASES, counts_every_launch
-from ..graph.runner import COUNTED_AS
+from ..runtime.chunks import COUNTED_AS
 from ..runtime.engine import SpecEngine
 from .engines import Engines
 from .trace import trace_summary
@@ -32,7 +32,7 @@ def timing(runs: list[dict]) -> dict:
 
 def host_times(runs: list[dict]) -> dict:
     """Host time per steady round outside graph replay calls (round wall time minus the
-    runner's ``replay_s`` delta): staging, readback, updates, the engine's bookkeeping.
+    seconds inside graph replay calls, ``phases.ReplayClock``): staging, readback, updates, the engine's bookkeeping.
     On the CPU emulator a replay runs its kernels, so this is pure host overhead; on a
     device a replay call is a launch, and the readback's wait for the device lands here."""
     medians = [statistics.median(r["host_s"]) * 1000 for r in runs]

@@ -1,7 +1,7 @@
 """The per-round trace of the fused round, overlap off and on (issue 12: with overlap
 the host's read of round k is off round k+1's critical path).
 
-``record_trace`` observes a few steady rounds only (``runner.observer``): the runner
+``record_trace`` observes a few steady rounds only (``ChunkRunner.observer``): it
 reports one event per chunk half, ``launch`` (staging, replays, starting the readback copy)
 and ``read`` (waiting for that copy and decoding it), in perf_counter seconds.
 ``round_trace`` names each event's round and derives the check: with overlap, round
@@ -14,38 +14,43 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from ..graph.runner import RoundObserver
+from ..runtime.chunks import ChunkRunner, RoundObserver
 
 # Steady rounds traced per run: three or more launch/read pairs, and a short JSON.
 TRACE_ROUNDS = 4
 
 
 class EventLog(RoundObserver):
-    """A runner observer that keeps every event as {"event", "start", "end"}."""
+    """An observer that keeps each chunk half as {"event", "start", "end"}, and sums the
+    seconds the reads waited for their copies."""
 
     def __init__(self):
         self.events: list[dict] = []
+        self.read_wait_s = 0.0
 
     def event(self, name: str, start: float, end: float) -> None:
-        self.events.append({"event": name, "start": start, "end": end})
+        if name == "read_wait":
+            self.read_wait_s += end - start
+        elif name in ("launch", "read"):
+            self.events.append({"event": name, "start": start, "end": end})
 
 
-def record_trace(runner, step: Callable[[], object], rounds: int) -> list[dict]:
+def record_trace(chunks: ChunkRunner, step: Callable[[], object], rounds: int) -> list[dict]:
     """Run ``step`` (one steady round) ``rounds`` times under an ``EventLog`` observer,
-    removed after: per round, its events, the seconds its reads waited (``runner.read_wait_s``)
+    removed after: per round, its events, the seconds its reads waited
     and its overlapped rounds (1 where it was launched with an earlier round unread)."""
     steps: list[dict] = []
-    log = runner.observer = EventLog()
+    log = chunks.observer = EventLog()
     events = log.events
     try:
         for _ in range(rounds):
-            first, wait = len(events), runner.read_wait_s
-            overlapped = runner.counters.overlapped_rounds
+            first, wait = len(events), log.read_wait_s
+            overlapped = chunks.counters.overlapped_rounds
             step()
-            steps.append({"events": events[first:], "read_wait_s": runner.read_wait_s - wait,
-                          "overlapped_rounds": runner.counters.overlapped_rounds - overlapped})
+            steps.append({"events": events[first:], "read_wait_s": log.read_wait_s - wait,
+                          "overlapped_rounds": chunks.counters.overlapped_rounds - overlapped})
     finally:
-        runner.observer = None
+        chunks.observer = None
     return steps
 
 

@@ -19,7 +19,8 @@ from ..launch.follower import mirror
 from ..launch.ranks import load_on_ranks
 from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
-from ..runtime.generate import plain_generate, reference_generate, validate_prompts
+from ..runtime.generate import plain_generate, reference_generate
+from ..runtime.request_checks import validate_prompts
 from ..sampling import (KEYS as SAMPLING_KEYS, SamplingParams, request_seed,
                          sampling_per_prompt)
 from .prompts import Prompt, prompt_ids, read_prompts

@@ -24,7 +24,7 @@ from . import compile as compile_mod
 from .emulator import CpuGraph
 from .updates import UpdateRegistry
 
-BACKENDS = GRAPH_BACKENDS  # the names, spelled once in config.py
+BACKENDS = GRAPH_BACKENDS  # the names, spelled once in config/graph.py
 
 
 class Graph(Protocol):

@@ -1,33 +1,40 @@
-"""What one graph runs: a phase of the round or the whole fused round, greedy or
-sampling (``GraphKind``), and the round's phases in order."""
+"""What one graph runs: a ``Phase`` of the round (or the whole fused round) at a bucket,
+greedy or sampling: its ``GraphKey``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-from ..config import GRAPH_KINDS
+from ..config import PHASE_NAMES
 
 
-@dataclass(frozen=True)
-class GraphKind:
-    """What one graph runs: ``unit``, a phase of the round (``GRAPH_KINDS``) or the whole
-    fused round (``round``), greedy or, ``sampled``, drawing each request's tokens with
-    its sampling parameters. ``name`` is what records, counters, metrics and reports
-    call it: ``target_verify``, ``round+sampling``."""
+class Phase(StrEnum):
+    """A captured unit of a decode round."""
 
-    unit: str
+    ROLLOUT = "rollout"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+    ROUND = "round"  # the fused round: every split phase in order, as one graph
+
+
+SPLIT_PHASES = tuple(Phase(name) for name in PHASE_NAMES)  # in round order
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    """One graph of the cache. ``sampled``: the variant that draws each request's tokens
+    with its sampling parameters (greedy rows in it still take the greedy tokens)."""
+
+    phase: Phase
+    bucket: int
     sampled: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.unit}+sampling" if self.sampled else self.unit
-
-    def variant(self, sampled: bool) -> "GraphKind":
-        return GraphKind(self.unit, sampled)
+        """What records, counters, metrics and reports call the graph's unit:
+        ``target_verify``, ``round+sampling``."""
+        return f"{self.phase}+sampling" if self.sampled else str(self.phase)
 
     def __str__(self) -> str:
-        return self.name
-
-
-PHASES = tuple(GraphKind(k) for k in GRAPH_KINDS)  # a round's phases, in order
-FUSED_ROUND = GraphKind("round")  # the fused round: every phase as one graph
+        return f"{self.name} B={self.bucket}"

@@ -88,14 +88,12 @@ def follow_prefill(engine: SpecEngine, chunks: list[Chunk], nexts: list[int | No
 
 
 @torch.no_grad()
-def follow_round(engine: SpecEngine, slots: list[int], lengths: list[int]) -> None:
+def follow_round(engine: SpecEngine, slots: list[int], lengths: list[int],
+                 sampled: list[bool]) -> None:
     """Rank 0's round, chunk for chunk, without reading anything back."""
-    start = 0
-    for size, bucket in engine.runner.plan(len(slots)):
-        part = slots[start:start + size]
-        engine.runner.run_chunk(part, lengths[start:start + size], bucket, read=False,
-                                sampled=engine.rounds.samples(part))
-        start += size
+    for part, bucket in engine.chunks.plan(len(slots)):
+        engine.chunks.run(slots[part], lengths[part], bucket, read=False,
+                          sampled=any(sampled[part]))
 
 
 def serve(models: LoadedModel, group: TPGroup) -> int:

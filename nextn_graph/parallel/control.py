@@ -3,8 +3,8 @@
 Rank 0 owns the scheduler; the other ranks (followers) execute what it decided, so
 every rank runs the same forwards, graphs and collectives in the same order. A
 steady round costs ONE small broadcast, before its staging copy: a fixed-size int64
-message ``[ROUND, engine, n, 0, slots(n), lengths(n)]`` (rows beyond ``INLINE_ROWS``
-follow in a second one). Rare commands (build an engine, prefill prompt chunks, run a
+message ``[ROUND, engine, n, 0, slots(n), lengths(n), sampled(n)]`` (rows beyond
+``INLINE_ROWS`` follow in a second one). Rare commands (build an engine, prefill prompt chunks, run a
 mirrored call, shut down) carry a pickled payload in a second broadcast.
 
 Messages go over the group's host process group (gloo), never the device one: the
@@ -26,10 +26,11 @@ from ..counters import Counters
 
 INLINE_ROWS = 256  # a round of up to this many requests is one broadcast
 _HEAD = 4
+_FIELDS = 3  # per request of a round: slot, committed length, samples (0/1)
 
 
 class Cmd(IntEnum):
-    ROUND = 1  # engine, slots, committed lengths: run one decode round
+    ROUND = 1  # engine, slots, committed lengths, sampled flags: run one decode round
     OBJECT = 2  # a pickled Message follows (build, prefill, call, shutdown)
 
 
@@ -37,7 +38,7 @@ class Cmd(IntEnum):
 class Message:
     kind: str  # "round" | "build" | "prefill" | "call" | "shutdown"
     engine: int = -1
-    payload: Any = None  # round: (slots, lengths); others: the command's arguments
+    payload: Any = None  # round: (slots, lengths, sampled); others: the command's arguments
 
 
 class Channel:
@@ -46,8 +47,8 @@ class Channel:
     def __init__(self, control: dist.ProcessGroup | None, counts: Counters):
         self.control = control  # the group's host process group (gloo)
         self.counts = counts  # the group's CollectiveCounts: a broadcast adds to .control
-        self._buf = torch.zeros(_HEAD + 2 * INLINE_ROWS, dtype=torch.int64,
-                                device="cpu")  # [head + 2*rows]; host messages
+        self._buf = torch.zeros(_HEAD + _FIELDS * INLINE_ROWS, dtype=torch.int64,
+                                device="cpu")  # [head + 3*rows]; host messages
         self._host = self._buf.numpy()  # written in place: no tensor per round
         self._engines = 0
 
@@ -61,16 +62,19 @@ class Channel:
         dist.broadcast(t, src=0, group=self.control)
 
     # -- rank 0 ----------------------------------------------------------------------
-    def send_round(self, engine: int, slots: list[int], lengths: list[int]) -> None:
+    def send_round(self, engine: int, slots: list[int], lengths: list[int],
+                   sampled: list[bool]) -> None:
         n = len(slots)
         k = min(n, INLINE_ROWS)
         host = self._host
         host[:_HEAD] = (Cmd.ROUND, engine, n, 0)
-        host[_HEAD:_HEAD + k] = slots[:k]
-        host[_HEAD + INLINE_ROWS:_HEAD + INLINE_ROWS + k] = lengths[:k]
+        for i, values in enumerate((slots, lengths, sampled)):
+            at = _HEAD + i * INLINE_ROWS
+            host[at:at + k] = values[:k]
         self._bcast(self._buf)
         if n > k:
-            self._bcast(torch.tensor(slots[k:] + lengths[k:], dtype=torch.int64))
+            self._bcast(torch.tensor(slots[k:] + lengths[k:] + [int(s) for s in sampled[k:]],
+                                     dtype=torch.int64))
 
     def send(self, msg: Message) -> None:
         data = pickle.dumps(msg)
@@ -85,14 +89,15 @@ class Channel:
         cmd, engine, n, _ = buf[:_HEAD].tolist()
         if cmd == Cmd.ROUND:
             k = min(n, INLINE_ROWS)
-            slots = buf[_HEAD:_HEAD + k].tolist()
-            lengths = buf[_HEAD + INLINE_ROWS:_HEAD + INLINE_ROWS + k].tolist()
+            fields = [buf[_HEAD + i * INLINE_ROWS:_HEAD + i * INLINE_ROWS + k].tolist()
+                      for i in range(_FIELDS)]
             if n > k:
-                rest = torch.zeros(2 * (n - k), dtype=torch.int64)
+                rest = torch.zeros(_FIELDS * (n - k), dtype=torch.int64)
                 self._bcast(rest)
-                slots += rest[:n - k].tolist()
-                lengths += rest[n - k:].tolist()
-            return Message("round", engine, (slots, lengths))
+                for i in range(_FIELDS):
+                    fields[i] += rest[i * (n - k):(i + 1) * (n - k)].tolist()
+            slots, lengths, sampled = fields
+            return Message("round", engine, (slots, lengths, [bool(s) for s in sampled]))
         if cmd != Cmd.OBJECT:
             raise RuntimeError(f"tensor parallelism: unknown control command {cmd} from "
                                f"rank 0 (ranks running different versions?)")

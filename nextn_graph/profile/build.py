@@ -24,6 +24,7 @@ from ..model import ModelConfig
 from ..model.ops import use_kernels
 from ..runtime.buffers import RequestState, RoundBuffers
 from ..runtime.eagle import SpecModels
+from ..graph.kinds import GraphKey
 from ..runtime.round import DecodeRound
 from .counter import WorkCounter
 from .specs import device_spec
@@ -139,6 +140,6 @@ def decode_round(models: LoadedModel, st: ProfileSettings) -> DecodeRound:
 def count_round(rnd: DecodeRound, bucket: int, counter: WorkCounter) -> None:
     """Run each phase of one round once under ``counter``, marked by its phase."""
     with torch.no_grad(), counter:
-        for kind in rnd.phases:
-            with counter.phase(kind.name):
-                rnd.run(kind, bucket)
+        for phase in rnd.phases:
+            with counter.phase(str(phase)):
+                rnd.run(GraphKey(phase, bucket))

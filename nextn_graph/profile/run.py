@@ -63,7 +63,7 @@ def profile_round(cfg: ModelConfig, st: ProfileSettings, source: str, top: int =
                           length=st.context_len)
     count_round(rnd, st.bucket, counter)
     counted = time.perf_counter()
-    out = summarize(counter.work, spec, ideal_bytes(models, st), [k.name for k in rnd.phases],
+    out = summarize(counter.work, spec, ideal_bytes(models, st), [str(p) for p in rnd.phases],
                     top, counter.launches)
     out["forwards"] = phase_forwards(st)
     out["config"] = {

@@ -1,19 +1,13 @@
 """Static state of the decode rounds, allocated once: addresses never move.
 
-``RequestState`` holds each request's speculative state in two copies per pool
-row (row 0 is padding). ``RoundBuffers`` holds one round's inputs and outputs at
-the largest bucket; a bucket of B requests uses the leading B rows. The phase
-functions read the staged state ``slots`` and gather everything else from the
-state tables *inside* the phase, masking padding rows (row 0) to position 0,
-token 0 and zero hidden, so a shrinking batch can never read stale rows: the
-only per-round staging is the copy of the request slots.
-
-Why two copies: a round reads each request's committed copy and writes the next
-state into the other one. The host flips a request to the new copy only after
-the round's readback succeeded, so a round that fails anywhere (a kernel error,
-out of memory, an interrupt) leaves every committed copy as it was, at no
-submission cost. KV written past the committed length is harmless: a redone
-round overwrites it before anything reads it (commit by length).
+``RequestState`` holds each request's speculative state in two copies per pool row
+(``runtime/slots.py``). ``RoundBuffers`` holds one round's inputs and outputs at the
+largest bucket; a bucket of B requests uses the leading B rows. The phases read the
+staged ``slots`` and gather everything else from the state tables inside the graph,
+masking padding rows (row 0) to position 0, token 0 and zero hidden, so a shrinking
+batch can never read stale rows: the only per-round staging is the copy of the slots.
+KV written past the committed length is harmless: a redone round overwrites it before
+anything reads it (commit by length).
 """
 
 from __future__ import annotations
@@ -23,16 +17,18 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import RowParams
+from .slots import SlotMap
 
 
 @dataclass(frozen=True)
 class RequestState:
-    """Per-request state by slot: ``row + copy * R`` for pool row ``row`` in [0, R)."""
+    """Per-request state by slot (``SlotMap``: two copies per pool row)."""
 
     lengths: torch.Tensor  # [2R] committed length L (target KV exists below L)
     bonus: torch.Tensor  # [2R] the confirmed token at position L
     cand1: torch.Tensor  # [2R] draft candidate 1, for position L + 1
     seed: torch.Tensor  # [2R, hc*H] draft hidden seed for the rollout
+    map: SlotMap
 
     @staticmethod
     def allocate(rows: int, hc_dim: int, device, dtype) -> "RequestState":
@@ -40,24 +36,16 @@ class RequestState:
         slots = 2 * rows
         return RequestState(torch.zeros(slots, **long), torch.zeros(slots, **long),
                             torch.zeros(slots, **long),
-                            torch.zeros(slots, hc_dim, device=device, dtype=dtype))
+                            torch.zeros(slots, hc_dim, device=device, dtype=dtype),
+                            SlotMap(rows))
 
     @property
     def rows(self) -> int:
         """R, the pool's request rows (padding row 0 included)."""
-        return self.lengths.shape[0] // 2
+        return self.map.rows
 
-    def slot(self, row: int, copy: int) -> int:
-        """Host side: the slot of ``row``'s copy 0 or 1."""
-        return row + copy * self.rows
-
-    def row_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """Pool rows [B] of slots [B] (padding slots give row 0)."""
-        return slots.remainder(self.rows)
-
-    def other(self, slots: torch.Tensor) -> torch.Tensor:
-        """The other copy's slots [B]: where a round writes the next state."""
-        return (slots + self.rows).remainder(2 * self.rows)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
     def store(self, slots: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
               cand1: torch.Tensor, seed: torch.Tensor) -> None:
@@ -70,7 +58,7 @@ class RequestState:
 
     def gather(self, slots: torch.Tensor):
         """Per-request state of ``slots`` [B], padding rows (row 0) neutralised."""
-        pad = self.row_of(slots) == 0  # [B]
+        pad = self.map.rows_of(slots) == 0  # [B]
         return (self.lengths[slots].masked_fill(pad, 0), self.bonus[slots].masked_fill(pad, 0),
                 self.cand1[slots].masked_fill(pad, 0),
                 self.seed[slots].masked_fill(pad.unsqueeze(1), 0))

@@ -25,36 +25,33 @@ import collections
 
 import torch
 
-from ..graph.runner import GraphRunner, RoundResult, plan_chunks
 from ..parallel.group import TPGroup
-from .buffers import RequestState
+from .chunks import ChunkResult, ChunkRunner
 from .request import Request, token_logprobs
 from .scheduler import Scheduler
 from .stats import SpecStats
 
 
-class RoundDriver:
-    """Runs the running requests' rounds over ``runner`` and commits them through
-    ``scheduler``; on a tensor-parallel group ``tp`` it first tells the other ranks
-    (engine ``engine_id``). ``sampled_rows``: by pool row, whether its request samples
-    (the prefill writes it). ``overlap``: graph.overlap on."""
+def samples(reqs: list[Request]) -> bool:
+    """Whether a chunk runs the sampling variants: one of its requests samples."""
+    return any(not r.sampling.greedy for r in reqs)
 
-    def __init__(self, runner: GraphRunner, state: RequestState, stats: SpecStats,
-                 scheduler: Scheduler, tp: TPGroup, engine_id: int, sampled_rows: list[bool],
-                 overlap: bool):
-        self.runner, self.state, self.stats, self.sched = runner, state, stats, scheduler
-        self.tp, self.engine_id, self.sampled_rows = tp, engine_id, sampled_rows
-        self.overlap = overlap
-        self.num_steps = runner.num_steps
+
+class RoundDriver:
+    """Runs the running requests' rounds as ``chunks`` and commits them through
+    ``scheduler``; on a tensor-parallel group ``tp`` it first tells the other ranks
+    (engine ``engine_id``). ``overlap``: graph.overlap on."""
+
+    def __init__(self, chunks: ChunkRunner, stats: SpecStats, scheduler: Scheduler,
+                 tp: TPGroup, engine_id: int, overlap: bool):
+        self.chunks, self.stats, self.sched = chunks, stats, scheduler
+        self.slots = chunks.slots
+        self.tp, self.engine_id, self.overlap = tp, engine_id, overlap
+        self.num_steps = chunks.round.num_steps
         # rounds launched and not yet read, oldest first (at most two: the one being read
         # and the one just launched); one stays here until its readback succeeded, so an
         # interrupt during a read loses nothing: the next step reads it again
         self.inflight: collections.deque = collections.deque()
-
-    def samples(self, slots: list[int]) -> bool:
-        """Whether a chunk runs the sampling variants: one of its requests samples."""
-        rows = self.state.rows
-        return any(self.sampled_rows[s % rows] for s in slots)
 
     @torch.no_grad()
     def run(self) -> None:
@@ -66,26 +63,23 @@ class RoundDriver:
         live = [r for r in self.sched.running.values() if not r.finished]
         if not self.overlap:
             return self._round_in_step(live)
-        buckets = self.runner.buckets if self.runner.graphs else ()
-        if not live or len(plan_chunks(len(live), buckets)) != 1:
+        if not live or not self.chunks.fits_one(len(live)):
             # nothing to launch, or a split round: no overlap this time
             self._drain()  # (which may finish some)
             live = [r for r in self.sched.running.values() if not r.finished]
             return self._round_in_step(live) if live else None
-        (_, bucket), = self.runner.plan(len(live))
+        (_, bucket), = self.chunks.plan(len(live))
         slots, lengths = self._announce(live)
         if slots is None:
             return
         try:
-            pending = self.runner.launch_chunk(slots, lengths, bucket,
-                                               sampled=self.samples(slots))
+            pending = self.chunks.launch(slots, lengths, bucket, sampled=samples(live))
         except Exception as exc:
             self._drain()  # round k-1 read and committed first (it may finish some)
             live = [r for r in live if not r.finished]
             return self._unit_failed(live, live, exc)
-        for req in live:
-            req.copy ^= 1  # the device state moves on with the round in flight
-        self.runner.counters.overlapped_rounds += int(bool(self.inflight))
+        self.slots.flip(live)  # the device state moves on with the round in flight
+        self.chunks.counters.overlapped_rounds += int(bool(self.inflight))
         self.inflight.append((live, pending))
         while len(self.inflight) > 1:
             self._finish_oldest()
@@ -93,11 +87,12 @@ class RoundDriver:
     def _announce(self, reqs: list[Request]):
         """The round's slots and committed lengths; on a tensor-parallel group, rank 0's
         one control message (before the staging copy). (None, None) if that failed."""
-        slots = [self.state.slot(r.row, r.copy) for r in reqs]
+        slots = self.slots.slots(reqs)
         lengths = [r.committed for r in reqs]  # overlapped: one round behind (no kernel
-        if self.tp.parallel:  # takes host lengths then, see config._resolve_overlap)
+        if self.tp.parallel:  # takes host lengths then, see config/graph.py)
             try:
-                self.tp.channel.send_round(self.engine_id, slots, lengths)
+                self.tp.channel.send_round(self.engine_id, slots, lengths,
+                                           [not r.sampling.greedy for r in reqs])
             except Exception as exc:
                 self.sched.fail_all(reqs, exc, "decode round")
                 self.inflight.clear()
@@ -119,7 +114,7 @@ class RoundDriver:
         before it (or were aborted) had their extra round: dropped, rows released."""
         chunk, pending = self.inflight[0]
         try:
-            res = self.runner.finish_chunk(pending)
+            res = self.chunks.finish(pending)
         except Exception as exc:  # (an interrupt leaves the round queued, to read again)
             res = exc
         self.inflight.popleft()  # read, or failed for good: this round is over
@@ -139,13 +134,11 @@ class RoundDriver:
         slots, lengths = self._announce(active)
         if slots is None:
             return
-        done, start = [], 0
-        for size, bucket in self.runner.plan(len(active)):
-            chunk, part = active[start:start + size], slice(start, start + size)
-            start += size
+        done = []
+        for part, bucket in self.chunks.plan(len(active)):
+            chunk = active[part]
             try:
-                res = self.runner.run_chunk(slots[part], lengths[part], bucket,
-                                            sampled=self.samples(slots[part]))
+                res = self.chunks.run(slots[part], lengths[part], bucket, sampled=samples(chunk))
             except Exception as exc:
                 self._unit_failed(chunk, active, exc)
                 if self.tp.parallel:
@@ -154,11 +147,10 @@ class RoundDriver:
             done.append((chunk, res))
         self.stats.rounds += int(bool(done))
         for chunk, res in done:
-            for req in chunk:
-                req.copy ^= 1  # the round's next state is now the committed one
+            self.slots.flip(chunk)  # the round's next state is now the committed one
             self._commit_round(chunk, res, set())
 
-    def _commit_round(self, chunk: list[Request], res: RoundResult, held: set[int]) -> None:
+    def _commit_round(self, chunk: list[Request], res: ChunkResult, held: set[int]) -> None:
         """Count and commit one chunk's round; a request in ``held`` (by id: it is in
         the round in flight) keeps its row when it finishes, until that round is read."""
         if not chunk:

@@ -37,8 +37,7 @@ from ..errors import InputError, ParallelError, RequestFailed
 from ..kernels.select import select_kernels
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
-from .generate import (GenerateResult, validate_logprobs, validate_max_new_tokens,
-                       validate_prompt, validate_prompts, validate_stop_ids)
+from .generate import GenerateResult
 from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..model.ops import use_kernels
@@ -46,13 +45,15 @@ from ..graph.backends import GraphBackend, make_backend
 from ..graph.runner import GraphRunner
 from ..graph.updates import UpdateRegistry
 from .buffers import RequestState, RoundBuffers, SamplingTables
+from .chunks import ChunkRunner
 from .driver import RoundDriver
 from .penalty_tables import PenaltyTables
 from .eagle import SpecModels
 from .prefill import Prefiller
 from .round import DecodeRound
 from .request import StepOutput
-from ..sampling import SamplingParams, sampling_params, sampling_per_prompt, with_bans
+from .request_checks import NewRequest, RequestLimits, checked_batch
+from ..sampling import SamplingParams
 from .scheduler import Scheduler
 from .stats import SpecStats
 
@@ -60,7 +61,7 @@ from .stats import SpecStats
 class SpecEngine:
     """The public facade: a ``Scheduler`` (requests, commit and failure, host only), a
     ``Prefiller`` (admission's prefill) and a ``RoundDriver`` (the decode rounds) over
-    one ``GraphRunner``."""
+    one ``ChunkRunner`` and its graph cache (``GraphRunner``)."""
 
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                  spec: SpeculativeConfig | None, pool: PoolConfig,
@@ -132,24 +133,22 @@ class SpecEngine:
         updates = updates or UpdateRegistry()
         backend = backend or make_backend(graph.backend, updates,
                                           compile_backend=graph.compile_backend)
-        self.runner = GraphRunner(
-            DecodeRound(self.models, self.state, bufs, self.num_steps,
-                        fused=graph.round == "fused", sampling=sampling,
-                        penalties=penalties), backend,
-            buckets=graph.buckets if backend.captures else (), kinds=graph.kinds,
-            warmup=graph.warmup, debug_check_addresses=graph.debug_check_addresses,
-            updates=updates, collectives=self.tp.counts)
-        self.runner.capture(progress=progress and self.tp.is_driver)
+        self.runner = GraphRunner(backend, warmup=graph.warmup, collectives=self.tp.counts)
+        decode = DecodeRound(self.models, self.state, bufs, self.num_steps,
+                             fused=graph.round == "fused", sampling=sampling,
+                             penalties=penalties)
+        self.chunks = ChunkRunner(decode, self.runner,
+                                  graph.buckets if backend.captures else (), graph.captured_phases,
+                                  updates, graph.debug_check_addresses)
+        self.chunks.capture(progress=progress and self.tp.is_driver)
         self.stats = SpecStats(verify_width=width)
         self.scheduler = Scheduler(self.models.target_pool, self.stats,
                                    sched_cfg.prefill_token_budget,
                                    self.tp.rank if self.tp.parallel else None)
-        sampled_rows = [False] * layout.rows  # by pool row: its request samples
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
-                                 self.tp, self.engine_id, self.num_steps, sampled_rows,
-                                 penalties)
-        self.rounds = RoundDriver(self.runner, self.state, self.stats, self.scheduler, self.tp,
-                                  self.engine_id, sampled_rows, overlap=graph.overlap == "on")
+                                 self.tp, self.engine_id, self.num_steps, penalties)
+        self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,
+                                  self.engine_id, overlap=graph.overlap == "on")
 
     @classmethod
     def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":
@@ -176,32 +175,17 @@ class SpecEngine:
         if self.scheduler.broken:
             raise ParallelError(f"tensor parallelism: this engine's group failed "
                                 f"({self.scheduler.broken}); it takes no more requests")
-        where = f"request {self.scheduler.next_rid}"
-        prompt = validate_prompt(prompt, self.cfg, self.max_context, max_new_tokens, where,
-                                 self.lookahead)
-        max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
-        stops = validate_stop_ids(stop_ids, self.cfg, where)
-        params = self._checked_sampling(sampling, where, stops)
-        lp = validate_logprobs(logprobs, self.max_logprobs, where, "logprobs")
-        prompt_lp = validate_logprobs(prompt_logprobs, self.max_logprobs, where,
-                                      "prompt_logprobs")
-        return self.scheduler.add(prompt, max_new_tokens, stops, params, lp, prompt_lp)
+        req = NewRequest(prompt, max_new_tokens, stop_ids, sampling, logprobs,
+                         prompt_logprobs).checked(self.request_limits,
+                                                  f"request {self.scheduler.next_rid}")
+        return self.scheduler.add(req.prompt, req.max_new_tokens, req.stop_ids, req.sampling,
+                                  req.logprobs, req.prompt_logprobs)
 
-    def _checked_sampling(self, sampling: object, where: str,
-                          stops: frozenset[int]) -> SamplingParams:
-        """Checked and resolved, with the stop ids min_tokens holds back (``ban_ids``)."""
-        params = with_bans(sampling_params(sampling, where), stops, where)
-        if not params.greedy and not self.samples:
-            raise InputError(f"{where}: temperature {params.temperature} samples, but this "
-                             f"engine was built greedy-only (graph.sampling: false)")
-        if params.penalized and not self.penalizes:
-            raise InputError(f"{where}: penalties, logit_bias or min_tokens need an engine "
-                             f"built with graph.penalties: true")
-        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
-        if bad:
-            raise InputError(f"{where}: logit_bias token id {bad[0]} is outside the "
-                             f"vocabulary [0, {self.cfg.vocab_size})")
-        return params
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What this engine takes of a request (``runtime/request_checks.py``)."""
+        return RequestLimits(self.cfg, self.max_context, self.lookahead, self.max_logprobs,
+                             self.samples, self.penalizes)
 
     def abort(self, rid: int) -> bool:
         """Drop a request (a client went away): its row returns to the pool at once.
@@ -258,15 +242,13 @@ class SpecEngine:
             raise InputError(f"generate() runs a batch on an idle engine; this one has "
                              f"{self.scheduler.num_in_flight} requests in flight "
                              f"(drive them with step())")
-        # All-or-nothing: a bad prompt or stop id raises before any request is queued.
-        validate_prompts(prompts, self.cfg, self.max_context, max_new_tokens, self.lookahead)
-        stops = validate_stop_ids(stop_ids, self.cfg, "generate")
-        params = [self._checked_sampling(p, f"request {i}", stops)
-                  for i, p in enumerate(sampling_per_prompt(sampling, len(prompts)))]
+        # All-or-nothing: a bad request raises before any is queued.
+        requests = checked_batch(prompts, max_new_tokens, stop_ids, sampling,
+                                 self.request_limits)
         start = time.perf_counter()
-        before, counters_before = self.stats.snapshot(), self.runner.counters.snapshot()
-        rids = [self.add_request(p, max_new_tokens, stop_ids, s)
-                for p, s in zip(prompts, params)]
+        before, counters_before = self.stats.snapshot(), self.chunks.counters.snapshot()
+        rids = [self.add_request(r.prompt, r.max_new_tokens, r.stop_ids, r.sampling)
+                for r in requests]
         index = {rid: i for i, rid in enumerate(rids)}
         outputs: list[list[int]] = [[] for _ in rids]
         errors: dict[int, str] = {}  # by prompt index
@@ -277,8 +259,8 @@ class SpecEngine:
                     errors[index[out.rid]] = out.error
         stats = self.stats.since(before)
         wall = time.perf_counter() - start
-        replays = {k: v for k, v in self.runner.counters.since(counters_before).as_dict().items()
-                   if k not in ("rounds", "real_rows")}
+        replays = {k: v for k, v in self.chunks.counters.since(counters_before).as_dict().items()
+                   if k not in ("chunks", "real_rows")}
         extra = {"mode": "spec" if self.num_steps else "plain", "num_steps": self.num_steps,
                  "backend": self.runner.backend.name, "wall_s": round(wall, 4),
                  "tokens_per_s": round(stats.emitted_tokens / wall, 2) if wall > 0 else None,

@@ -17,145 +17,22 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from ..errors import InputError, show_value
+from ..errors import InputError
 from ..memory.batch import Chunk, ForwardBatch
 from ..memory.pool import PoolLayout
-from ..model import DeepseekV4ForCausalLM, ModelConfig
+from ..model import DeepseekV4ForCausalLM
 from ..penalties import penalize
 from ..sampling import RowParams, SamplingParams, sampling_per_prompt, with_bans
+from .request_checks import (show_typed, validate_max_new_tokens, validate_prompts,
+                             validate_stop_ids)
 
 
 @dataclass
 class GenerateResult:
     outputs: list[list[int]]
     stats: dict = field(default_factory=dict)
-
-
-def _show(value: object) -> str:
-    """``value`` for an error message: its type and a repr cut short."""
-    return f"{type(value).__name__} {show_value(value, 60)}"
-
-
-def _is_integer_dtype(dtype: torch.dtype | np.dtype) -> bool:
-    if isinstance(dtype, torch.dtype):
-        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-    return np.issubdtype(dtype, np.integer)
-
-
-def _as_int(value: object) -> int | None:
-    """An integer scalar (int, numpy integer, 0-d integer tensor) as an int; None for
-    anything else, bools included (``True`` is not token 1)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and _is_integer_dtype(value.dtype):
-        return int(value)
-    return None
-
-
-def _elements(prompt: object, where: str) -> list:
-    """The prompt's elements: a list, tuple or other sequence, or a 1-D integer tensor
-    or numpy array (converted to ints here)."""
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
-        if prompt.ndim != 1 or not _is_integer_dtype(prompt.dtype):
-            raise InputError(f"{where}: a prompt {kind} must be 1-D with an integer dtype, "
-                             f"got {prompt.ndim}-D {prompt.dtype}")
-        return [int(t) for t in prompt.tolist()]
-    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Sequence):
-        raise InputError(f"{where}: prompt must be a sequence of token ids (list, tuple, or "
-                         f"1-D integer tensor or array), got {_show(prompt)}")
-    return list(prompt)
-
-
-def _token_ids(values, cfg: ModelConfig, where: str, what: str) -> list[int]:
-    """Each value as an int id in [0, vocab); the error names the first bad one."""
-    ids = []
-    for value in values:
-        tok = _as_int(value)
-        if tok is None:
-            raise InputError(f"{where}: {what} {_show(value)} is not an integer")
-        if not 0 <= tok < cfg.vocab_size:
-            raise InputError(f"{where}: {what} {tok} is outside the vocabulary "
-                             f"[0, {cfg.vocab_size})")
-        ids.append(tok)
-    return ids
-
-
-def validate_max_new_tokens(max_new_tokens: object, where: str) -> int:
-    """An int >= 1; numpy integers and 0-d integer tensors are converted (like token
-    ids), bools and floats are refused."""
-    value = _as_int(max_new_tokens)
-    if value is None:
-        raise InputError(f"{where}: max_new_tokens must be an int of at least 1, got "
-                         f"{_show(max_new_tokens)}")
-    if value < 1:
-        raise InputError(f"{where}: max_new_tokens must be at least 1, got {value}")
-    return value
-
-
-def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
-                    max_new_tokens: int, where: str, lookahead: int = 0) -> list[int]:
-    """Check one request up front; the error names it (``where``) and the bad value.
-
-    ``prompt``: a sequence of int ids, numpy integers or 0-d integer tensors, or a
-    1-D integer tensor / array; returned as a list of int. ``lookahead``: positions
-    written past the output (speculative verify windows). The context is at most
-    ``max_context`` and never past the model's ``max_position_embeddings``.
-    """
-    max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
-    values = _elements(prompt, where)
-    if not values:
-        raise InputError(f"{where}: empty prompt")
-    ids = _token_ids(values, cfg, where, "token id")
-    limit = min(max_context, cfg.max_position_embeddings)
-    if len(ids) + max_new_tokens + lookahead > limit:
-        extra = f" + {lookahead} positions of verify lookahead" if lookahead else ""
-        bound = (f"the maximum context {max_context}" if max_context <= cfg.max_position_embeddings
-                 else f"the model's max_position_embeddings {cfg.max_position_embeddings}")
-        raise InputError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens "
-                         f"{max_new_tokens}{extra} exceeds {bound}")
-    return ids
-
-
-def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_context: int,
-                     max_new_tokens: int, lookahead: int = 0) -> list[list[int]]:
-    """Check every prompt before any work starts; request i is the i-th prompt."""
-    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(
-            prompts, (Sequence, torch.Tensor, np.ndarray)):
-        raise InputError(f"prompts must be a list of prompts, got {_show(prompts)}")
-    return [validate_prompt(p, cfg, max_context, max_new_tokens, f"request {i}", lookahead)
-            for i, p in enumerate(prompts)]
-
-
-def validate_stop_ids(stop_ids: Collection[int] | None, cfg: ModelConfig,
-                      where: str) -> frozenset[int]:
-    """A request's stop token ids: None stops at EOS; otherwise a list, tuple, set or
-    frozenset of ids in the vocabulary (numpy integers and 0-d integer tensors are
-    converted to int). The error names the request (``where``) and the bad element."""
-    if stop_ids is None:
-        return frozenset({cfg.eos_token_id})
-    if not isinstance(stop_ids, (list, tuple, set, frozenset)):
-        raise InputError(f"{where}: stop_ids must be a list, tuple, set or frozenset of "
-                         f"token ids, got {_show(stop_ids)}")
-    return frozenset(_token_ids(stop_ids, cfg, where, "stop token id"))
-
-
-def validate_logprobs(value: object, limit: int, where: str, name: str) -> int | None:
-    """A request's ``logprobs`` or ``prompt_logprobs``: None (off) or k, the top logprobs
-    per token, in [0, limit] (the engine's graph.logprobs)."""
-    if value is None:
-        return None
-    if limit == 0:
-        raise InputError(f"{where}: {name} {_show(value)}: this engine computes no logprobs "
-                         f"(build it with graph.logprobs > 0)")
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-        raise InputError(f"{where}: {name} must be None or an integer in [0, {limit}] (the "
-                         f"top logprobs per token; graph.logprobs is {limit}), got "
-                         f"{_show(value)}")
-    return value
 
 
 def _finished(out: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> bool:
@@ -182,7 +59,7 @@ def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
         max_context = cfg.max_position_embeddings
     elif not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
         raise InputError(f"{mode}: max_context must be an int of at least 1, got "
-                         f"{_show(max_context)}")
+                         f"{show_typed(max_context)}", field="max_context")
     prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
     max_new_tokens = validate_max_new_tokens(max_new_tokens, mode)
     return prompts, validate_stop_ids(stop_ids, cfg, mode), max_context, max_new_tokens

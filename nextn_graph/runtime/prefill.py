@@ -52,17 +52,14 @@ class Prefiller:
     """Prefills what ``scheduler`` plans each step into the pools (``models``) and the
     rows' state copy 0, then hands the final chunks' requests back to it to run. On a
     tensor-parallel group ``tp`` it first tells the other ranks (engine ``engine_id``).
-    ``sampling``: the engine's sampling tables (None: greedy only); ``sampled_rows``: by
-    pool row, whether its request samples (written here, read by the rounds);
-    ``penalties``: the penalty tables (graph.penalties), filled at admission."""
+    ``sampling``: the engine's sampling tables (None: greedy only); ``penalties``: the penalty tables (graph.penalties), filled at admission."""
 
     def __init__(self, models: SpecModels, state: RequestState, sampling: SamplingTables | None,
                  stats: SpecStats, scheduler: Scheduler, tp: TPGroup, engine_id: int,
-                 num_steps: int, sampled_rows: list[bool],
-                 penalties: PenaltyTables | None = None):
+                 num_steps: int, penalties: PenaltyTables | None = None):
         self.models, self.state, self.sampling, self.stats = models, state, sampling, stats
         self.sched, self.tp, self.engine_id = scheduler, tp, engine_id
-        self.num_steps, self.sampled_rows = num_steps, sampled_rows
+        self.num_steps = num_steps
         self.penalties = penalties
         self.device = state.lengths.device
 
@@ -135,8 +132,8 @@ class Prefiller:
         """Every rank's part of a step's prefill: -> (the final chunks' bonus tokens [F]
         (on the device), the logprobs of ``lp_rows`` or None: ``eagle.prefill``).
         ``params``: the final chunks' (``nexts`` None), in order."""
-        sampled = [not p.greedy for p in params]
-        row_params = RowParams.of(params, self.device) if any(sampled) else None
+        row_params = (RowParams.of(params, self.device) if any(not p.greedy for p in params)
+                      else None)
         final = [c for c, n in zip(chunks, nexts) if n is None]
         rows = [c.req_index for c in final]
         ends = [c.start + len(c.tokens) for c in final]
@@ -155,7 +152,7 @@ class Prefiller:
             params=row_params, lp_rows=lp_rows, lp_k=lp_k, process=process)
         if not params:
             return bonus, lp
-        slots = torch.tensor([self.state.slot(r, 0) for r in rows], device=self.device)
+        slots = torch.tensor([self.state.map.slot(r) for r in rows], device=self.device)
         if pen is not None:  # the first token: the first round counts it
             pen.stage(slots, bonus.unsqueeze(1), torch.ones_like(bonus))
         self.state.store(slots, lengths, bonus, cand1, seed)
@@ -165,8 +162,6 @@ class Prefiller:
                                 row_params or RowParams.of(params, self.device))
             if q1 is not None:
                 self.sampling.q1.index_put_((slots,), q1)
-        for row, s in zip(rows, sampled):
-            self.sampled_rows[row] = s
         return bonus, lp
 
 

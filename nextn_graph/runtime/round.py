@@ -1,8 +1,8 @@
-"""One decode round over the static buffers: its phases as closures of a bucket size.
+"""One decode round over the static buffers: its phases as functions of a bucket size.
 
-What a round is belongs here, with the state and buffers it reads and writes; the
-graph layer (``graph.runner``) only captures and replays what ``kinds`` and ``run``
-give it, one graph per kind and bucket.
+What a round is belongs here, with the state and buffers it reads and writes; the graph
+cache (``graph/runner.py``) captures and replays ``run(key)`` for the keys
+``runtime/chunks.py`` asks for.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from ..graph.kinds import FUSED_ROUND, PHASES, GraphKind
+from ..graph.kinds import SPLIT_PHASES, GraphKey, Phase
 from . import eagle
 from .buffers import RequestState, RoundBuffers, SamplingTables
 from .eagle import SpecModels
@@ -22,17 +22,15 @@ from ..sampling import RowParams, one_hot, speculative_accept
 
 @dataclass(frozen=True)
 class DecodeRound:
-    """The decode round of one bucket B: its phases as closures over static tensors.
+    """The decode round of a bucket B.
 
-    ``num_steps`` 0 is plain decoding: the verify window is the bonus alone and
-    the verify phase commits it; there is no draft. ``fused``: the round is one
-    graph kind, ``round`` (every phase in order, then the staged slots flip to the
-    copies the round wrote), so it is one graph and a steady batch needs no staging.
-
-    ``sampling`` (tables, where the engine samples): every kind also has a sampling
-    variant (``GraphKind.sampled``, ``KIND+sampling``) that draws each request's tokens
-    with its parameters (speculative rejection sampling); greedy rows in it take exactly
-    the greedy tokens. A chunk of greedy requests only runs the greedy kinds.
+    ``num_steps`` 0 is plain decoding: the verify window is the bonus alone and the
+    verify phase commits it; there is no draft. ``fused``: the round runs as one unit,
+    ``Phase.ROUND`` (every phase in order, then the staged slots flip to the copies the
+    round wrote), so a steady batch is one graph and needs no staging.
+    ``sampling`` (tables, where the engine samples): each unit also runs as a sampling
+    variant (``GraphKey.sampled``) drawing each request's tokens with its parameters
+    (speculative rejection sampling); greedy rows in it take exactly the greedy tokens.
     """
 
     m: SpecModels
@@ -44,48 +42,42 @@ class DecodeRound:
     penalties: PenaltyTables | None = None  # graph.penalties: applied at every verify row
 
     def __post_init__(self) -> None:
-        # computed here, not first inside a traced round (torch.compile)
-        self.phases, self.kinds, self.sampled_kinds  # noqa: B018
+        self.phases, self.units  # noqa: B018  (computed here, not inside a traced round)
 
     @property
     def verify_width(self) -> int:
         """N, the verify window: the buffers' (allocated for ``num_steps``)."""
         return self.bufs.preds.shape[1]
 
-    @cached_property  # fixed at build: not rebuilt every round
-    def phases(self) -> tuple[GraphKind, ...]:
-        """The phases of a round, in order (no rollout below 2 steps, no draft at 0)."""
-        return tuple(k for k in PHASES if k.unit != "rollout" or self.num_steps > 1
-                     if k.unit != "draft_extend" or self.num_steps > 0)
+    @cached_property
+    def phases(self) -> tuple[Phase, ...]:
+        """The split phases of a round, in order (no rollout below 2 steps, no draft at 0)."""
+        return tuple(p for p in SPLIT_PHASES if p != Phase.ROLLOUT or self.num_steps > 1
+                     if p != Phase.DRAFT_EXTEND or self.num_steps > 0)
 
-    @cached_property  # fixed at build: not rebuilt every round
-    def kinds(self) -> tuple[GraphKind, ...]:
-        """What the runner runs (and captures) per round: the phases, or the one round."""
-        return (FUSED_ROUND,) if self.fused else self.phases
+    @cached_property
+    def units(self) -> tuple[Phase, ...]:
+        """What a chunk runs, one graph each: the phases, or the one fused round."""
+        return (Phase.ROUND,) if self.fused else self.phases
 
-    @cached_property  # fixed at build: not rebuilt every round
-    def sampled_kinds(self) -> tuple[GraphKind, ...]:
-        """The sampling variants of ``kinds`` (none where the engine does not sample)."""
-        return tuple(k.variant(True) for k in self.kinds) if self.sampling else ()
+    def run(self, key: GraphKey) -> None:
+        self._unit(key.phase)(key.bucket, key.sampled)
 
-    def run(self, kind: GraphKind, b: int) -> None:
-        self._unit(kind.unit)(b, kind.sampled)
-
-    def _unit(self, unit: str):
-        return {"rollout": self.rollout, "target_verify": self.verify,
-                "draft_extend": self.draft_extend, FUSED_ROUND.unit: self.round}[unit]
+    def _unit(self, phase: Phase):
+        return {Phase.ROLLOUT: self.rollout, Phase.TARGET_VERIFY: self.verify,
+                Phase.DRAFT_EXTEND: self.draft_extend, Phase.ROUND: self.round}[phase]
 
     def round(self, b: int, sampled: bool = False) -> None:
         """The whole round, then the staged slots flip to the copies it wrote: the next
         round of the same requests reads them without a staging copy."""
-        for kind in self.phases:  # (no GraphKind built here: a compiled round traces it)
-            self._unit(kind.unit)(b, sampled)
+        for phase in self.phases:
+            self._unit(phase)(b, sampled)
         slots = self.bufs.slots[:b]
-        slots.copy_(self.state.other(slots))
+        slots.copy_(self.state.map.other(slots))
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         out = {f"bufs.{k}": v for k, v in vars(self.bufs).items()}
-        out.update({f"state.{k}": v for k, v in vars(self.state).items()})
+        out.update({f"state.{k}": v for k, v in self.state.tensors().items()})
         for name in ("sampling", "penalties"):
             tables = getattr(self, name)
             if tables is not None:
@@ -95,7 +87,7 @@ class DecodeRound:
     def _staged(self, b: int):
         """(slots [B], pool rows [B]) of the bucket's requests."""
         slots = self.bufs.slots[:b]
-        return slots, self.state.row_of(slots)
+        return slots, self.state.map.rows_of(slots)
 
     def _params(self, rows: torch.Tensor, sampled: bool) -> RowParams | None:
         return self.sampling.gather(rows) if sampled else None
@@ -131,7 +123,7 @@ class DecodeRound:
             self.bufs.accept_lens[:b].fill_(1)
             self.bufs.preds[:b, 0].copy_(token)
             self._logprobs(b, logits, token.unsqueeze(1))
-            nxt = self.state.other(slots)
+            nxt = self.state.map.other(slots)
             if pen is not None:
                 pen.stage(nxt, token.unsqueeze(1), self.bufs.accept_lens[:b])
             self.state.lengths.index_put_((nxt,), lengths + 1)
@@ -149,7 +141,7 @@ class DecodeRound:
         self.bufs.accept_lens[:b].copy_(accept_lens)
         self._logprobs(b, logits, tokens)
         if pen is not None:
-            pen.stage(self.state.other(slots), tokens, accept_lens)
+            pen.stage(self.state.map.other(slots), tokens, accept_lens)
         self.bufs.hidden[: b * self.verify_width].copy_(hidden)  # for the draft extend
 
     def _logprobs(self, b: int, logits: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -173,7 +165,7 @@ class DecodeRound:
                                               self.bufs.hidden[: b * n], accept_lens,
                                               self._params(rows, sampled))
         # Commit by length, into the copy the host flips to once the readback succeeded.
-        nxt = self.state.other(slots)
+        nxt = self.state.map.other(slots)
         self.state.store(nxt, lengths + accept_lens, bonus, cand1, seed)
         if q1 is not None:
             self.sampling.q1.index_put_((nxt,), q1)

@@ -4,7 +4,7 @@ two servers in one process keep their own counts).
 Two sources: the request handlers (what each client saw: latencies, tokens, outcomes),
 and the engine loop's snapshot of each turn (``snapshot.py``: draft acceptance per
 position, rounds per graph kind and bucket, queue depth, free rows, and the engine's
-own counters, ``engine.stats`` and ``engine.runner.counters``, the latest exported at
+own counters, ``engine.stats`` and ``engine.chunks.counters``, the latest exported at
 scrape time). The snapshot is the one way in, whether the engine runs on a thread of
 the server or in its own process.
 """
@@ -35,7 +35,7 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"nextn_engine_{name}", f"engine.stats.{name}",
                                       value=snap.stats[name])
         for name in RUNNER_COUNTERS:
-            yield CounterMetricFamily(f"nextn_engine_{name}", f"runner.counters.{name}",
+            yield CounterMetricFamily(f"nextn_engine_{name}", f"chunks.counters.{name}",
                                       value=snap.counters[name])
 
 

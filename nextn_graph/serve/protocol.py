@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..checkpoint.tokenizer import CheckpointTokenizer
 from ..errors import InputError, show_value
 from ..penalties import PENALTY_KEYS
+from ..runtime.request_checks import output_room, penalty_field
 from ..sampling import SamplingParams, request_seed, with_bans
 from .chat import ChatTemplate
 from .errors import APIError
@@ -35,8 +36,9 @@ MAX_STOP_STRINGS = 4  # OpenAI's bound
 MAX_STOP_CHARS = 256  # one stop string; the stream holds back this much text at most
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_N = 16  # choices per prompt (each is an engine request; more queue)
+# the sampling checks' InputError.field values: each is the OpenAI parameter's name
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", *PENALTY_KEYS)
-NEUTRAL = SamplingParams()
+WHERE = "sampling"  # the prefix of the sampling checks' messages, cut off here
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,12 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _refusal(exc: InputError) -> APIError:
+    """A sampling check's refusal: a 400 naming its field, its message without ``WHERE``."""
+    param = exc.field if exc.field in SAMPLING_FIELDS else None
+    return _bad(str(exc).removeprefix(f"{WHERE}: "), param)
+
+
 def _sampling(body: dict, info: ModelInfo, max_tokens: int,
               stop_ids: frozenset[int]) -> SamplingParams:
     # OpenAI's default temperature is 1; an engine built greedy-only decodes greedily
@@ -175,20 +183,18 @@ def _sampling(body: dict, info: ModelInfo, max_tokens: int,
         repetition_penalty=_number(body, "repetition_penalty", 1.0), logit_bias=bias,
         min_tokens=_int(body, "min_tokens", 0, 0))
     try:
-        params = params.checked("sampling")
+        params = params.checked(WHERE)
     except InputError as exc:
-        text = str(exc).removeprefix("sampling: ")
-        param = next((k for k in SAMPLING_FIELDS if text.startswith(k)), None)
-        raise _bad(text, param) from None
+        raise _refusal(exc) from None
     if not params.greedy and not info.samples:
         raise _bad("temperature > 0 samples, but this server's engine is greedy-only "
                    "(graph.sampling: false)", "temperature")
     try:  # (the stop ids min_tokens holds back, as the engine sets them)
-        banned = with_bans(params, stop_ids, "sampling")
+        banned = with_bans(params, stop_ids, WHERE)
     except InputError as exc:
-        raise _bad(str(exc).removeprefix("sampling: "), "min_tokens") from None
+        raise _refusal(exc) from None
     if banned.penalized and not info.penalties:
-        name = next(k for k in PENALTY_KEYS if getattr(params, k) != getattr(NEUTRAL, k))
+        name = penalty_field(banned)
         raise _bad(f"{name}: this server applies no penalties (start it without "
                    f"--no-penalties)", name)
     far = [t for t, _ in params.logit_bias if t >= info.vocab_size]
@@ -240,7 +246,7 @@ def _logprobs(body: dict, info: ModelInfo, chat: bool) -> LogprobAsk:
 def _prompts(body: dict, info: ModelInfo, chat: bool) -> tuple[list[list[int]], int]:
     """The prompts, and the room each leaves for output (the least of them)."""
     prompts = [chat_prompt(body, info)] if chat else completion_prompts(body, info)
-    rooms = [info.max_context - info.lookahead - len(p) for p in prompts]
+    rooms = [output_room(len(p), info.max_context, info.lookahead) for p in prompts]
     for i, (prompt, room) in enumerate(zip(prompts, rooms)):
         if room < 1:
             name = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"

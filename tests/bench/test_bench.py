@@ -162,8 +162,8 @@ def test_greedy_vs_sampling_end_to_end(report):
     for b in rep["buckets"]:
         greedy, sampled = b["e2e"], b["e2e_sampled"]
         assert (greedy["temperature"], sampled["temperature"]) == (0.0, 0.8)
-        assert greedy["sampled_rounds"] == {"spec": 0, "plain": 0}
-        assert sampled["sampled_rounds"]["spec"] > 0 and sampled["sampled_rounds"]["plain"] > 0
+        assert greedy["sampled_chunks"] == {"spec": 0, "plain": 0}
+        assert sampled["sampled_chunks"]["spec"] > 0 and sampled["sampled_chunks"]["plain"] > 0
         for e in (greedy, sampled):
             assert e["requests"] == b["bucket"] and e["max_new_tokens"] == 32
             assert 1.0 <= e["acceptance_length"] <= steps + 1

@@ -50,7 +50,7 @@ def test_split_config_measures_split_only(tmp_path):
     assert "None: graph.round split, so no fused round" in (tmp_path / "bench.md").read_text()
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["sampling"] is None and data["buckets"][0]["e2e_sampled"] is None
-    assert b["e2e"]["sampled_rounds"] == {"spec": 0, "plain": 0}
+    assert b["e2e"]["sampled_chunks"] == {"spec": 0, "plain": 0}
     assert 1 <= b["e2e"]["acceptance_length"] <= 4  # greedy is still measured
     assert "greedy vs sampling" not in table(rep)
     assert "None: bench.temperature is 0" in (tmp_path / "bench.md").read_text()
@@ -94,10 +94,10 @@ def test_e2e_sampling_is_seeded_by_request_index(trained):
     with torch.no_grad():
         first, again = (e2e_run(eng, prompts, 8, modes["e2e_sampled"]) for _ in range(2))
         greedy = e2e_run(eng, prompts, 8)
-    counts = ("accepted_drafts", "proposed_drafts", "request_rounds", "sampled_rounds")
+    counts = ("accepted_drafts", "proposed_drafts", "request_rounds", "sampled_chunks")
     assert [first[k] for k in counts] == [again[k] for k in counts]
-    assert first["tokens"] == 16 and first["sampled_rounds"] > 0
-    assert greedy["sampled_rounds"] == 0 and greedy["request_rounds"] > 0
+    assert first["tokens"] == 16 and first["sampled_chunks"] > 0
+    assert greedy["sampled_chunks"] == 0 and greedy["request_rounds"] > 0
 
 
 def _event(kind: str, start: float, end: float) -> dict:
@@ -135,14 +135,14 @@ def test_round_trace_neither_order():
 
 
 def test_record_trace_sets_the_trace_for_its_rounds_only():
-    """The runner has an event log as observer during the traced rounds only, unset
+    """The chunks have an event log as observer during the traced rounds only, unset
     after, even when a round raises; each round gets its own events and counter deltas."""
-    runner = SimpleNamespace(observer=None, read_wait_s=0.5,
-                             counters=SimpleNamespace(overlapped_rounds=7))
+    runner = SimpleNamespace(observer=None, counters=SimpleNamespace(overlapped_rounds=7))
 
     def step():
         runner.observer.event("launch", 0.0, 1.0)
-        runner.read_wait_s += 0.25
+        runner.observer.event("read_wait", 2.0, 2.25)
+        runner.observer.event("replay", 0.5, 0.75)  # neither a half nor a wait: not kept
         runner.counters.overlapped_rounds += 1
 
     steps = record_trace(runner, step, 2)
@@ -199,7 +199,7 @@ def test_eager_backend_report_is_honest(tmp_path):
         assert b["eager"]["phase_times"]["phase_ms"]  # eager phases are still timed
         assert b["e2e"]["latency_ratio"] > 0  # eager spec vs eager plain
         assert b["e2e_sampled"]["latency_ratio"] > 0  # and sampling on eager engines
-        assert b["e2e_sampled"]["sampled_rounds"]["spec"] > 0
+        assert b["e2e_sampled"]["sampled_chunks"]["spec"] > 0
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nextn_graph.config import GRAPH_KINDS, GraphConfig, load_run_config
+from nextn_graph.config import PHASE_NAMES, GraphConfig, load_run_config
 from nextn_graph.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,12 +75,28 @@ def test_bucket_above_pool_names_the_pool_size(tmp_path):
     assert "8" in msg and "pool.max_requests = 6" in msg
 
 
-@pytest.mark.parametrize("body", ["kinds: [draft_extend, foo]", "kinds: [rollout, rollout]",
-                                  "kinds: rollout"], ids=["unknown", "duplicate", "not a list"])
-def test_bad_kinds_name_file_and_key(tmp_path, body):
-    """An unknown, duplicated or non-list graph kind is a ConfigError naming graph.kinds."""
+@pytest.mark.parametrize("body", ["captured_phases: [draft_extend, foo]",
+                                  "captured_phases: [rollout, rollout]",
+                                  "captured_phases: rollout"],
+                         ids=["unknown", "duplicate", "not a list"])
+def test_bad_captured_phases_name_file_and_key(tmp_path, body):
+    """An unknown, duplicated or non-list phase is a ConfigError naming graph.captured_phases."""
     msg = load_error(write(tmp_path, body))
-    assert "'graph.kinds'" in msg
+    assert "'graph.captured_phases'" in msg
+
+
+@pytest.mark.parametrize("body", ["kinds: [rollout]", "kinds: [rollout]\ncaptured_phases: []"],
+                         ids=["alone", "beside the new key"])
+def test_old_kinds_key_says_it_was_renamed(tmp_path, body):
+    """A file written for graph.kinds is told its key is now graph.captured_phases."""
+    msg = load_error(write(tmp_path, body))
+    assert "'graph.kinds' was renamed to 'graph.captured_phases'" in msg
+
+
+def test_old_kinds_override_says_it_was_renamed():
+    """An override naming the old key is refused the same way as a file."""
+    with pytest.raises(ConfigError, match="'graph.kinds' was renamed to 'graph.captured_phases'"):
+        load_run_config(graph={"kinds": ["rollout"]})
 
 
 @pytest.mark.parametrize("body,key", [
@@ -124,13 +140,14 @@ def test_omitted_buckets_are_powers_of_two_plus_pool(tmp_path, max_requests, aut
 
 
 def test_good_graph_section_loads_as_written(tmp_path):
-    """A full valid graph section loads into the GraphConfig it spells; kinds may be empty."""
-    body = ("backend: cpu\nbuckets: [1, 3, 6]\nkinds: [target_verify, rollout]\nwarmup: 0\n"
-            "debug_check_addresses: true")
+    """A full valid graph section loads into the GraphConfig it spells; captured_phases may
+    be empty."""
+    body = ("backend: cpu\nbuckets: [1, 3, 6]\ncaptured_phases: [target_verify, rollout]\n"
+            "warmup: 0\ndebug_check_addresses: true")
     cfg = load_run_config(write(tmp_path, body))
     assert cfg.graph == GraphConfig("cpu", (1, 3, 6), ("target_verify", "rollout"), 0, True,
                                     round="split", overlap="off")  # auto: not every phase
-    assert load_run_config(write(tmp_path, "kinds: []")).graph.kinds == ()
+    assert load_run_config(write(tmp_path, "captured_phases: []")).graph.captured_phases == ()
     assert load_run_config(write(tmp_path, "buckets: [2]")).graph.buckets == (2,)
 
 
@@ -140,7 +157,7 @@ KEY_LINE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_]*\s*:(?P<value>.*)$")
 
 
 def test_every_shipped_capture_config_loads():
-    """Each capture_configs/*.yaml loads strictly with valid buckets and known graph kinds."""
+    """Each capture_configs/*.yaml loads strictly with valid buckets and known phases."""
     assert {p.name for p in CONFIGS} >= {"cpu_default.yaml", "cuda.yaml",
                                          "deepseek_v4_flash_ascend.yaml"}
     for path in CONFIGS:
@@ -148,7 +165,7 @@ def test_every_shipped_capture_config_loads():
         b = cfg.graph.buckets
         assert b and list(b) == sorted(set(b)) and b[0] >= 1, path
         assert b[-1] <= cfg.pool.max_requests, path
-        assert set(cfg.graph.kinds) <= set(GRAPH_KINDS), path
+        assert set(cfg.graph.captured_phases) <= set(PHASE_NAMES), path
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

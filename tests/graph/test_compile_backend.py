@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nextn_graph.checkpoint import load_checkpoint
-from nextn_graph.config import (GRAPH_KINDS, GraphConfig, PoolConfig, SpeculativeConfig,
+from nextn_graph.config import (PHASE_NAMES, GraphConfig, PoolConfig, SpeculativeConfig,
                                 load_run_config)
 from nextn_graph.errors import ConfigError
 from nextn_graph.runtime.generate import reference_generate
@@ -25,6 +25,7 @@ from nextn_graph.graph.backends import CudaBackend, make_backend
 from nextn_graph.graph.compile import (CompileBackend, Compiler, dynamo_compiler,
                                        held_tensors)
 from nextn_graph.graph.emulator import CaptureError
+from nextn_graph.graph.kinds import GraphKey, Phase
 from nextn_graph.runtime.engine import SpecEngine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def test_compiling_runner_partials_directly_fails_on_the_ninth():
     shared code object, and with fullgraph the (recompile_limit + 1)-th capture raises."""
     limit = torch._dynamo.config.recompile_limit
     phases = _Phases()
-    todo = [(k, b) for b in range(1, 9) for k in GRAPH_KINDS][: limit + 1]
+    todo = [(k, b) for b in range(1, 9) for k in PHASE_NAMES][: limit + 1]
     compiled = [torch.compile(functools.partial(phases.run, k, b), backend="aot_eager",
                               fullgraph=True, dynamic=False) for k, b in todo]
     for fn in compiled[:limit]:
@@ -76,7 +77,7 @@ def test_compile_backend_captures_past_the_recompile_limit_each_on_its_own_code(
     limit = torch._dynamo.config.recompile_limit
     phases = _Phases()
     backend = CompileBackend(dynamo_compiler("aot_eager"))
-    todo = [(k, b) for b in range(8, 0, -1) for k in GRAPH_KINDS][: limit + 4]
+    todo = [(k, b) for b in range(8, 0, -1) for k in PHASE_NAMES][: limit + 4]
     graphs = {(k, b): backend.capture(functools.partial(phases.run, k, b), None)
               for k, b in todo}
     assert backend.captured == limit + 4
@@ -150,6 +151,10 @@ def test_a_cuda_graph_inductor_declines_fails_the_capture():
 
 # -- 3. the engine on compiled graphs ---------------------------------------------------------
 
+def _names(graphs) -> list[tuple[str, int]]:
+    return sorted((k.name, k.bucket) for k in graphs)
+
+
 def test_compile_engine_equals_reference(trained):
     """An engine on compiled graphs (aot_eager; 3 graphs, 3 requests split over bucket 2)
     equals the no-cache oracle, replaying every graph and running nothing eagerly."""
@@ -159,7 +164,7 @@ def test_compile_engine_equals_reference(trained):
                         GraphConfig(backend="compile", buckets=(2,), round="split",
                                     sampling=False), backend=backend)
     assert backend.name == "compile" and backend.compiler.label == "aot_eager"
-    assert sorted(engine.runner.graphs) == [(k, 2) for k in sorted(GRAPH_KINDS)]
+    assert _names(engine.runner.graphs) == [(k, 2) for k in sorted(PHASE_NAMES)]
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
     assert res.outputs == ref.outputs
@@ -168,7 +173,7 @@ def test_compile_engine_equals_reference(trained):
     assert st["accepted_drafts"] > 0
     assert all(g.replays > 0 for g in engine.runner.graphs.values())
     assert sum(g.replays for g in engine.runner.graphs.values()) == st["graph_replays"]
-    for t in engine.runner.round.static_tensors().values():  # request state, round buffers
+    for t in engine.chunks.round.static_tensors().values():  # request state, round buffers
         assert torch._dynamo.utils.get_static_address_type(t) == "unguarded"
     kv = engine.models.target_pool.layers[0].swa.data
     assert torch._dynamo.utils.get_static_address_type(kv) == "unguarded"
@@ -183,12 +188,12 @@ def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
     engine = SpecEngine(trained.target, trained.draft, spec, pool,
                         GraphConfig(backend="compile", buckets=(4,), sampling=False),
                         backend=backend)
-    assert list(engine.runner.graphs) == [("round", 4)] and backend.captured == 1
+    assert _names(engine.runner.graphs) == [("round", 4)] and backend.captured == 1
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
     assert res.outputs == ref.outputs
     assert res.stats["staging_copies"] < res.stats["graph_replays"]
-    assert engine.runner.counters.overlapped_rounds > 0
+    assert engine.chunks.counters.overlapped_rounds > 0
 
 
 def test_sampling_round_compiles_and_draws_what_eager_draws(trained):
@@ -199,13 +204,13 @@ def test_sampling_round_compiles_and_draws_what_eager_draws(trained):
     backend = make_backend("compile", compile_backend="aot_eager")
     engine = SpecEngine(trained.target, trained.draft, spec, pool,
                         GraphConfig(backend="compile", buckets=(4,)), backend=backend)
-    assert sorted(engine.runner.graphs) == [("round", 4), ("round+sampling", 4)]
+    assert _names(engine.runner.graphs) == [("round", 4), ("round+sampling", 4)]
     smp = [{"temperature": 1.0, "seed": 4}, None, {"temperature": 0.6, "top_k": 5, "seed": 8}]
     eager = SpecEngine(trained.target, trained.draft, spec, pool, None)
     want = eager.generate(PROMPTS, MAX_NEW, stop_ids=set(), sampling=smp).outputs
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set(), sampling=smp)
     assert res.outputs == want and res.stats["eager_fallbacks"] == 0
-    assert engine.runner.graphs[("round+sampling", 4)].replays > 0
+    assert engine.runner.graphs[GraphKey(Phase.ROUND, 4, sampled=True)].replays > 0
 
 
 def _shipped_on_cpu(path: Path, **graph):

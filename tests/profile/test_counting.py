@@ -1,5 +1,5 @@
 """Counting submissions: eager ops per phase (graph/counting.py, bench count_round) and
-every device submission of a graph round (graph/runner.py: host transfers, counters).
+every device submission of a graph round (runtime/chunks.py: host transfers, counters).
 
 The profiler path is tested with ``ProfilerActivity.CPU``, where it counts aten ops by
 the dispatch-mode rule, so both counters must agree op for op. The bench once opened a
@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity
 
 from nextn_graph.bench.measure import count_round
-from nextn_graph.graph.kinds import GraphKind
+from nextn_graph.graph.kinds import GraphKey, Phase
 from nextn_graph.graph.backends import CpuBackend
 from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter, ProfilerCounter
-from nextn_graph.graph.runner import GraphRunner, HostTransfers, ReplayCounters
+from nextn_graph.graph.runner import GraphRunner
+from nextn_graph.runtime.chunks import ChunkRunner, ReplayCounters
+from nextn_graph.runtime.transfers import HostTransfers
 from nextn_graph.runtime.buffers import RequestState, RoundBuffers
 
 from helpers import seqlen_op, seqlen_registry
@@ -137,12 +139,13 @@ class _SeqlenPhases:
     bufs: RoundBuffers
     state: RequestState
     num_steps: int = 1
-    kinds = (GraphKind("target_verify"),)
-    sampled_kinds = ()  # no sampling variant
+    units = (Phase.TARGET_VERIFY,)
+    sampling = None  # no sampling variant
     fused = False
     verify_width = 2
 
-    def run(self, kind: GraphKind, b: int) -> None:
+    def run(self, key: GraphKey) -> None:
+        b = key.bucket
         op = seqlen_op()
         x = self.bufs.slots[:b].unsqueeze(1).float()  # [B, 1]
         y = op(op(x, [1] * b), [1] * b)  # lengths baked at capture; updates replace them
@@ -158,18 +161,18 @@ def test_graph_round_counts_every_submission():
     reg = seqlen_registry()
     phases = _SeqlenPhases(RoundBuffers.allocate(2, 1, 4, "cpu", torch.float32),
                            RequestState.allocate(3, 4, "cpu", torch.float32))
-    runner = GraphRunner(phases, CpuBackend(reg), buckets=(2,), kinds=("target_verify",),
-                         updates=reg)
+    runner = ChunkRunner(phases, GraphRunner(CpuBackend(reg)), buckets=(2,),
+                         captured_phases=("target_verify",), updates=reg)
     runner.capture()
-    assert len(runner.graphs[("target_verify", 2)].update_ops) == 2
+    assert len(runner.graphs.graphs[GraphKey(Phase.TARGET_VERIFY, 2)].update_ops) == 2
     before = runner.counters.as_dict()
-    res = runner.run_chunk([4], [3], bucket=2)
+    res = runner.run([4], [3], bucket=2)
     delta = {k: v - before[k] for k, v in runner.counters.as_dict().items()}
     assert res.preds == [[4 * 3 * 3] * 2]
-    assert delta == {"rounds": 1, "graph_replays": 1, "staging_copies": 1,
+    assert delta == {"chunks": 1, "graph_replays": 1, "staging_copies": 1,
                      "readback_copies": 1, "graph_updates": 2, "eager_fallbacks": 0,
                      "bucket_splits": 0, "padded_rows": 1, "real_rows": 1,
-                     "graph_collectives": 0, "overlapped_rounds": 0, "sampled_rounds": 0}
+                     "graph_collectives": 0, "overlapped_rounds": 0, "sampled_chunks": 0}
     assert ReplayCounters(**delta).submissions() == 1 + 1 + 1 + 2
 
 

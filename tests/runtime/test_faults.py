@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import RequestFailed
 from nextn_graph.runtime.generate import reference_generate
-from nextn_graph.graph.runner import RoundObserver
+from nextn_graph.runtime.chunks import RoundObserver
 from nextn_graph.runtime.engine import SpecEngine
 
 from helpers import corpus_prompts, random_prompt
@@ -54,11 +54,11 @@ class Faults(TorchFunctionMode, RoundObserver):
         super().__init__()
         self.eng, self.points, self.error, self.fired = eng, set(points), error, []
         self.chunk, self.in_round = -1, False
-        eng.runner.observer = self
+        eng.chunks.observer = self
         self._hook = eng.models.target.register_forward_pre_hook(self._prefill)
 
     def close(self) -> None:
-        self.eng.runner.observer = None
+        self.eng.chunks.observer = None
         self._hook.remove()
 
     def _fire(self, point: str) -> None:
@@ -69,7 +69,7 @@ class Faults(TorchFunctionMode, RoundObserver):
 
     @contextmanager
     def phase(self, kind: str, replayed: bool):
-        if kind == self.eng.runner.round.kinds[0].name:
+        if kind == self.eng.chunks.round.units[0]:
             self.chunk += 1
         self.in_round = True
         self._fire(f"{kind}@{self.chunk}")
@@ -223,7 +223,7 @@ def test_random_faults_over_random_schedules(engines, trained, seed):
     eng = engines(rng.choice(["eager", "cpu", "fused"]))
     sched = schedule(100 + seed)
     points = set(rng.sample([p for p in POINTS if "@1" not in p]
-                            if [k.name for k in eng.runner.round.kinds] != ["round"] else FUSED_POINTS, 3))
+                            if not eng.chunks.round.fused else FUSED_POINTS, 3))
     error = rng.choice([InjectedFault, KeyboardInterrupt, MemoryError])
     faults = Faults(eng, points, error)
     try:

@@ -13,7 +13,8 @@ import torch
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.cli.commands import make_checkpoint
 from nextn_graph.errors import CapacityError, InputError
-from nextn_graph.runtime.generate import plain_generate, reference_generate, validate_prompts
+from nextn_graph.runtime.generate import plain_generate, reference_generate
+from nextn_graph.runtime.request_checks import validate_prompts
 
 
 @pytest.fixture(scope="module")

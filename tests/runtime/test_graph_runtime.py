@@ -119,7 +119,7 @@ class Run:
 def run_schedule(eng: SpecEngine, schedule: list[Req], max_steps: int = 600) -> Run:
     """add_request each request before step() number ``at``; step() until all are done."""
     assert not eng.has_work
-    stats0, counters0 = dict(vars(eng.stats)), eng.runner.counters.as_dict()
+    stats0, counters0 = dict(vars(eng.stats)), eng.chunks.counters.as_dict()
     rid_of: dict[int, int] = {}
     outputs: dict[int, list[int]] = defaultdict(list)
     trace: dict[int, list[tuple]] = defaultdict(list)
@@ -144,7 +144,7 @@ def run_schedule(eng: SpecEngine, schedule: list[Req], max_steps: int = 600) -> 
                 trace[index[o.rid]].append((tuple(o.new_tokens), tuple(o.draft_tokens)))
     stats = {k: v - stats0[k] for k, v in vars(eng.stats).items()
              if k in SPEC_STATS or k == "verify_forwards"}
-    counters = {k: v - counters0[k] for k, v in eng.runner.counters.as_dict().items()}
+    counters = {k: v - counters0[k] for k, v in eng.chunks.counters.as_dict().items()}
     return Run(dict(outputs), dict(trace), sizes, stats, counters)
 
 
@@ -156,7 +156,7 @@ def assert_same_run(graph: Run, eager: Run) -> None:
     # accepted_drafts / request_rounds is the acceptance length.
     assert {k: graph.stats[k] for k in SPEC_STATS} == {k: eager.stats[k] for k in SPEC_STATS}
     # One verify forward per chunk: rounds, plus one per extra chunk of a split round.
-    assert graph.stats["verify_forwards"] == graph.counters["rounds"]
+    assert graph.stats["verify_forwards"] == graph.counters["chunks"]
     assert eager.stats["verify_forwards"] == eager.stats["rounds"]
     assert eager.counters["graph_replays"] == 0 and graph.counters["eager_fallbacks"] == 0
 
@@ -209,7 +209,7 @@ def test_graph_parity_growing_and_shrinking_batches(engines, model, num_steps, m
     assert c["bucket_splits"] == sum(b > 4 for b in graph.batch_sizes) > 0
     assert c["padded_rows"] == sum(b == 3 for b in graph.batch_sizes) > 0  # 3 -> bucket 4
     per_round = 1 if mode == "fused" else (3 if num_steps > 1 else 2)
-    assert c["graph_replays"] == c["rounds"] * per_round
+    assert c["graph_replays"] == c["chunks"] * per_round
 
 
 def test_graph_parity_long_requests_cross_window_and_c128(engines, trained):
@@ -253,7 +253,7 @@ def test_graph_drafts_equal_the_oracle(engines, trained):
     arrivals = [0, 0, 0, 2, 2]
     outputs: dict[int, list[int]] = defaultdict(list)
     reqs: dict[int, tuple[list[int], int]] = {}  # rid -> (prompt, max_new_tokens)
-    counters0 = eng.runner.counters.as_dict()
+    counters0 = eng.chunks.counters.as_dict()
     checked, steps = 0, 0
     while len(reqs) < len(prompts) or eng.has_work:
         for p, n, at in zip(prompts, limits, arrivals):
@@ -268,7 +268,7 @@ def test_graph_drafts_equal_the_oracle(engines, trained):
                 assert out.draft_tokens == want, (out.rid, len(before))
                 checked += 1
             outputs[out.rid].extend(out.new_tokens)
-    counters = {k: v - counters0[k] for k, v in eng.runner.counters.as_dict().items()}
+    counters = {k: v - counters0[k] for k, v in eng.chunks.counters.as_dict().items()}
     assert checked >= 12
     assert counters["padded_rows"] > 0 and counters["bucket_splits"] > 0
     for rid, (p, n) in reqs.items():
@@ -322,9 +322,9 @@ def poison(eng: SpecEngine, batch: int) -> None:
         state.bonus[slot] = vocab - 1
         state.cand1[slot] = vocab - 1
         state.seed[slot] = math.nan
-    bufs = vars(eng.runner.round.bufs)
+    bufs = vars(eng.chunks.round.bufs)
     max_batch = bufs["slots"].shape[0]
-    if eng.runner.round.fused:
+    if eng.chunks.round.fused:
         bufs = {k: v for k, v in bufs.items() if k != "slots"}
     for t in bufs.values():
         rows_per_request = t.shape[0] // max_batch  # hidden holds N rows per request
@@ -350,7 +350,7 @@ def test_padding_rows_are_inert(trained, round_mode):
     limits = [7, 40, 13, 30]  # two leave early, at different rounds
     rids = [eng.add_request(p, n, stop_ids=[]) for p, n in zip(prompts, limits)]
     outputs: dict[int, list[int]] = defaultdict(list)
-    pool, c = eng.models.target_pool, eng.runner.counters
+    pool, c = eng.models.target_pool, eng.chunks.counters
     padded_steps = 0
     while eng.has_work:
         # This step's batch: the running requests plus those it will admit.
@@ -375,10 +375,10 @@ def test_padding_rows_are_inert(trained, round_mode):
 
 @pytest.mark.parametrize("kinds,replays,fallbacks", [(("target_verify",), 1, 2), ((), 0, 3)])
 def test_kinds_switched_off_run_eagerly_and_are_counted(trained, kinds, replays, fallbacks):
-    """Kinds left out of graph.kinds run eagerly, counted per round; outputs equal reference."""
+    """Phases left out of graph.captured_phases run eagerly, counted per round; outputs equal reference."""
     prompts = corpus_prompts(31, [9, 24, 15])
     eng = make_engine(trained, 3, max_requests=4, max_context=96,
-                      graph=cpu_graphs(kinds=kinds))
+                      graph=cpu_graphs(captured_phases=kinds))
     assert {r.kind for r in eng.runner.records} == {k + v for k in kinds
                                                      for v in ("", "+sampling")}
     res = eng.generate(prompts, 16, stop_ids=[])
@@ -409,15 +409,15 @@ def test_steady_round_costs(trained, num_steps, round_mode, overlap, replays, st
         eng.add_request(p, 40, stop_ids=[])
     eng.step()  # admission and the first round
     for _ in range(5):
-        before = eng.runner.counters.as_dict()
+        before = eng.chunks.counters.as_dict()
         outs = eng.step()
         assert len(outs) == 3 and not any(o.finished for o in outs)
-        delta = {k: v - before[k] for k, v in eng.runner.counters.as_dict().items()}
-        assert delta == {"rounds": 1, "graph_replays": replays, "staging_copies": staging,
+        delta = {k: v - before[k] for k, v in eng.chunks.counters.as_dict().items()}
+        assert delta == {"chunks": 1, "graph_replays": replays, "staging_copies": staging,
                          "readback_copies": 1, "graph_updates": 0, "eager_fallbacks": 0,
                          "bucket_splits": 0, "padded_rows": 1, "real_rows": 3,
                          "graph_collectives": 0, "overlapped_rounds": int(overlap == "on"),
-                         "sampled_rounds": 0}
+                         "sampled_chunks": 0}
     while eng.has_work:
         eng.step()
 
@@ -432,24 +432,24 @@ def test_debug_address_check_names_the_moved_buffer(trained, name):
         eng = make_engine(trained, 3, max_requests=2, max_context=64,
                           graph=cpu_graphs(buckets=(1, 2), debug_check_addresses=debug))
         eng.generate([[5, 6, 7, 8]], 4, stop_ids=[])  # nothing moved: rounds replay fine
-        holder = eng.runner.round.bufs if group == "bufs" else eng.state
+        holder = eng.chunks.round.bufs if group == "bufs" else eng.state
         tensor = getattr(holder, attr)
         tensor.set_(torch.zeros_like(tensor))
         eng.add_request([5, 6, 7, 8], 6, stop_ids=[])
         if debug:  # the round's requests fail with the error; nothing replays
-            replays = eng.runner.counters.graph_replays
+            replays = eng.chunks.counters.graph_replays
             outs = [o for _ in range(3) for o in eng.step()]
             failed = [o for o in outs if o.error is not None]
             assert len(failed) == 1 and failed[0].finished
             assert re.search(rf"CaptureError: static input {name} moved since capture",
                              failed[0].error)
-            assert eng.runner.counters.graph_replays == replays and not eng.has_work
+            assert eng.chunks.counters.graph_replays == replays and not eng.has_work
             assert eng.models.target_pool.free_rows == 2
         else:
-            replays = eng.runner.counters.graph_replays
+            replays = eng.chunks.counters.graph_replays
             while eng.has_work:
                 eng.step()  # unchecked: the graphs replay over the stale storage
-            assert eng.runner.counters.graph_replays > replays
+            assert eng.chunks.counters.graph_replays > replays
 
 
 # -- 8. CLI ------------------------------------------------------------------------------

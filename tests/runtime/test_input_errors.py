@@ -15,9 +15,9 @@ import torch
 
 from nextn_graph.checkpoint.loader import build_models, resolve_checkpoint
 from nextn_graph.errors import ConfigError, InputError
-from nextn_graph.runtime.generate import (plain_generate, reference_generate,
-                                          validate_max_new_tokens, validate_prompt,
-                                          validate_stop_ids)
+from nextn_graph.runtime.generate import plain_generate, reference_generate
+from nextn_graph.runtime.request_checks import (validate_max_new_tokens, validate_prompt,
+                                                validate_stop_ids)
 from nextn_graph.model.config import (config_from_dict, load_config, model_bytes,
                                       physical_memory_bytes)
 from nextn_graph.checkpoint.presets import TINY

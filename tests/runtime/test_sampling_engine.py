@@ -22,7 +22,7 @@ import torch
 from nextn_graph.config import GraphConfig, PoolConfig, SpeculativeConfig
 from nextn_graph.errors import InputError
 from nextn_graph.runtime.generate import plain_generate, reference_generate
-from nextn_graph.graph.runner import RoundObserver
+from nextn_graph.runtime.chunks import RoundObserver
 from nextn_graph.graph.npu import NpuBackend
 from nextn_graph.graph.updates import UpdateRegistry
 from nextn_graph import sampling
@@ -88,10 +88,10 @@ def test_temperature_zero_is_greedy_on_every_backend(trained, mode):
     want = reference_generate(trained.target, prompts, 16, stop_ids=[]).outputs
     eng = make_engine(trained, mode)
     assert eng.generate(prompts, 16, stop_ids=[]).outputs == want
-    assert eng.runner.counters.sampled_rounds == 0
+    assert eng.chunks.counters.sampled_chunks == 0
     mixed = [None, SamplingParams(0.9, seed=1), SamplingParams(temperature=0.0, seed=5), None]
     got = eng.generate(prompts, 16, stop_ids=[], sampling=mixed).outputs
-    assert eng.runner.counters.sampled_rounds > 0
+    assert eng.chunks.counters.sampled_chunks > 0
     assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
     assert got[1] != want[1]  # (it sampled: 16 tokens at temperature 0.9 differ here)
 
@@ -135,7 +135,7 @@ def test_sampling_graphs_are_captured_beside_greedy_ones(trained):
     greedy = SpecEngine(trained.target, trained.draft, SPEC, POOL,
                         GraphConfig(backend="cpu", buckets=(1, 2, 4), sampling=False))
     assert [r.kind for r in greedy.runner.records] == ["round"] * 3
-    assert greedy.runner.round.sampling is None
+    assert greedy.chunks.round.sampling is None
     with pytest.raises(InputError, match=r"request 0: temperature 0.5 samples, but this "
                                          r"engine was built greedy-only \(graph.sampling"):
         greedy.add_request([1, 2, 3], 4, sampling={"temperature": 0.5})
@@ -184,7 +184,7 @@ def test_a_fault_in_a_sampling_chunk_fails_only_its_requests(trained):
             if len(calls) == 13:  # round 2, chunk 2, its rollout
                 raise RuntimeError("injected")
             yield
-    eng.runner.observer = Inject()
+    eng.chunks.observer = Inject()
     rids = [eng.add_request(p, 12, stop_ids=[], sampling=s) for p, s in zip(prompts, smp)]
     outs, errors = collections.defaultdict(list), {}
     while eng.has_work:
@@ -214,7 +214,7 @@ def test_cuda_graphs_sample_what_eager_samples():
         eng = SpecEngine(models.target, models.draft, SPEC, POOL,
                          GraphConfig(backend="cuda", buckets=(1, 2, 4), round=round_mode))
         assert eng.generate(prompts, 20, stop_ids=[], sampling=smp).outputs == want, round_mode
-        assert eng.runner.counters.sampled_rounds > 0
+        assert eng.chunks.counters.sampled_chunks > 0
 
 
 # -- lossless in distribution ------------------------------------------------------------

@@ -81,7 +81,7 @@ def run_modes(group: TPGroup, preset: dict | None, modes: list[str], seed: int,
             eng = SpecEngine(models.target, models.draft, spec, POOL, graph)
             out[mode] = [run_schedule(eng, s).outputs for s in schedules(seed)[:count]]
             out[f"{mode}_collectives"] = eng.tp.counts.as_dict()
-            out[f"{mode}_graph_collectives"] = eng.runner.counters.graph_collectives
+            out[f"{mode}_graph_collectives"] = eng.chunks.counters.graph_collectives
         out["sampled"] = _sampled(group, models, seed)
         first = schedules(seed)[0]
         out["reference"] = mirror(group, models, "reference_generate",

@@ -65,14 +65,14 @@ def fault_a_shared_round(engine) -> None:
     module, so a spawned engine process imports it by name): once two pool rows have
     run rounds, the next round chunk launched raises, once. With one-row buckets, that
     chunk holds one request: it fails and the other runs on."""
-    runner = engine.runner
-    launch, rows, seen, fired = runner.launch_chunk, engine.state.rows, set(), []
+    chunks = engine.chunks
+    launch, seen, fired = chunks.launch, set(), []
 
     def faulty(slots, *args, **kwargs):
-        seen.update(s % rows for s in slots)
+        seen.update(chunks.slots.row(s) for s in slots)
         if len(seen) >= 2 and not fired:
             fired.append(True)
             raise RuntimeError(FAULT)
         return launch(slots, *args, **kwargs)
 
-    runner.launch_chunk = faulty
+    chunks.launch = faulty

@@ -600,7 +600,7 @@ def test_a_failed_choice_fails_the_request_and_aborts_the_others(tok):
 
 
 class _FakeEngine:
-    runner = SimpleNamespace(phase_runs=Counter())  # (what the loop's snapshots diff)
+    chunks = SimpleNamespace(phase_runs=Counter())  # (what the loop's snapshots diff)
 
     def __init__(self, refuse: int):
         self.refuse, self.added, self.aborted = refuse, [], []

@@ -64,7 +64,7 @@ class HostTransfers:
     def start_read(self, rows: torch.Tensor) -> PendingRead:
         """Enqueue the copy of contiguous device rows into the next host buffer."""
         i, size = self._next, rows.numel()
-        self._next ^= 1
+        self._next = 1 - self._next  # (the other host buffer)
         self.out[i][:size].view(rows.shape).copy_(rows, non_blocking=True)
         event = self._events[i]
         if event is not None:

@@ -22,7 +22,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from .errors import InputError, show_value
+from .labels import ACCEPT_SAMPLING
 from .penalties import MAX_BAN_IDS, check_penalties
+
+profile_label = ACCEPT_SAMPLING  # the work profile's label of this file's code (labels.py)
 
 SEED_LIMIT = 2**63  # seeds are int64 tensors
 MASK32 = 0xFFFFFFFF

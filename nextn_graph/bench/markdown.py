@@ -263,12 +263,12 @@ def _capture_section(report: dict) -> str:
     if cap is None:
         return f"## Capture\n\nNone: {EAGER_NOTE}."
     caps = "\n".join(
-        f"| {c['kind']} | {c['bucket']} | {c['seconds'] * 1000:.1f} | "
+        f"| {c['name']} | {c['bucket']} | {c['seconds'] * 1000:.1f} | "
         f"{c['nbytes'] / 2**20:.2f} | {c['ops']} |" for c in cap["records"])
     pad = report["padding"]
     return f"""## Capture
 
-| kind | bucket | ms | MiB | ops |
+| graph | bucket | ms | MiB | ops |
 |---|---|---|---|---|
 {caps}
 

@@ -1,13 +1,5 @@
-"""Graph backends behind one small interface.
-
-A backend captures a callable that reads and writes static tensors into a graph
-object, replays it, and reports whether it is capturing. ``eager`` captures
-nothing (the baseline); ``cpu`` is the strict emulator; ``cuda`` uses
-``torch.cuda.CUDAGraph`` with one shared memory pool, warm-up and capture on one
-side stream. ``compile`` (``torch.compile`` per graph through Dynamo) and its Ascend
-case ``torchair`` live in ``compile.py``; ``npu`` in ``npu.py``. torch_npu is imported
-only when an Ascend backend is chosen.
-"""
+"""Graph backends behind one small interface: capture a callable over static tensors,
+replay it (``compile``/``torchair`` in ``compile.py``, ``npu`` in ``npu.py``)."""
 
 from __future__ import annotations
 
@@ -48,9 +40,7 @@ class GraphBackend(Protocol):
 
 @dataclass
 class CaptureRecord:
-    """What one capture cost: for the capture report and the benchmark."""
-
-    kind: str
+    name: str  # the graph key's name: target_verify, round+sampling
     bucket: int
     seconds: float
     nbytes: int
@@ -127,9 +117,8 @@ class _CudaGraph:
 
 
 class CudaBackend:
-    """``torch.cuda.CUDAGraph`` capture into one shared pool. Warm-up and capture run on
-    one side stream: lazy per-stream state (cuBLAS workspaces, allocator blocks) made by
-    the warm-up is then the capture's own."""
+    """Warm-up and capture run on one side stream: lazy per-stream state (cuBLAS
+    workspaces, allocator blocks) made by the warm-up is then the capture's own."""
 
     name, captures = "cuda", True
 
@@ -151,8 +140,7 @@ class CudaBackend:
             torch.cuda.current_stream().wait_stream(self.stream)
 
     def capture(self, fn, pool) -> _CudaGraph:
-        # torch.cuda.graph empties the allocator's cache first; so do we, before measuring,
-        # so the growth of the reserved bytes is the pool memory this graph added.
+        # emptied first (as torch.cuda.graph does): reserved growth is this graph's pool
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
@@ -171,13 +159,8 @@ class CudaBackend:
 
 def make_backend(name: str, updates: UpdateRegistry | None = None,
                  compile_backend: str = "auto", **options) -> GraphBackend:
-    """The backend of a config; Ascend backends import torch_npu only here.
-
-    ``compile_backend``: what Dynamo compiles with (``compile``: auto = inductor;
-    ``torchair``: auto = npugraph_ex where torch_npu offers it, else reduce-overhead).
-    ``options``: ``namespace`` (npu / torchair: a torch.npu-like module, e.g. the CPU
-    fake), ``torchair`` and ``lookup`` (torchair: stand-ins for CPU tests).
-    """
+    """``options``: ``namespace`` (npu / torchair: a torch.npu-like module, e.g. the CPU
+    fake), ``torchair`` and ``lookup`` (torchair: stand-ins for CPU tests)."""
     if name == "eager":
         return EagerBackend()
     if name == "cpu":
@@ -195,10 +178,10 @@ def make_backend(name: str, updates: UpdateRegistry | None = None,
     raise ConfigError(f"unknown graph backend {name!r}; choose from {BACKENDS}")
 
 
-def timed_capture(backend: GraphBackend, fn: Callable[[], Any], pool: Any, kind: str,
+def timed_capture(backend: GraphBackend, fn: Callable[[], Any], pool: Any, name: str,
                   bucket: int) -> tuple[Graph, CaptureRecord]:
     start = time.perf_counter()
     graph = backend.capture(fn, pool)
     backend.synchronize()
     seconds = time.perf_counter() - start
-    return graph, CaptureRecord(kind, bucket, seconds, graph.nbytes, graph.ops)
+    return graph, CaptureRecord(name, bucket, seconds, graph.nbytes, graph.ops)

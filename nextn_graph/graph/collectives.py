@@ -1,20 +1,6 @@
-"""Collectives inside a captured graph: the functional ones replay, the host-side ones
-are refused.
-
-``torch.distributed``'s functional collectives (``_c10d_functional.all_reduce``,
-``all_gather_into_tensor``, ... then ``wait_tensor``) are ops on tensors, which a CUDA
-graph, an NPU graph and Dynamo can hold. The emulator records each as one step that
-re-issues it on the captured input, waits for it and writes the fresh result into the
-captured output, so later steps read a finished result; ``wait_tensor`` itself records
-nothing. Steps replay in capture order, so every rank re-issues the same collectives in
-the same order.
-
-A host-side collective (``torch.distributed.all_reduce``, ``barrier``, ``broadcast``,
-``broadcast_object_list``, ...) reaches the dispatcher as a ``c10d`` op, or first as a
-host sync or host data while it pickles an object; either way the capture is refused,
-naming the ``torch.distributed`` function. The refusal comes before anything is sent,
-on every rank at the same op, so no rank is left waiting for a collective the others
-never issue.
+"""Collectives inside a captured graph: the functional ones replay, in capture order, so
+every rank re-issues the same collectives in the same order; a host-side one is refused
+before anything is sent, at the same op on every rank, so no rank is left waiting.
 """
 
 from __future__ import annotations
@@ -54,7 +40,6 @@ def is_wait(func) -> bool:
 
 
 def refusal(func) -> str | None:
-    """Why ``func`` cannot be captured, if it is a collective op that cannot."""
     if func.namespace == "c10d":
         api = distributed_caller() or "a torch.distributed call"
         return f"capture: {op_name(func)} is a host-side collective ({api}): it cannot " \
@@ -69,8 +54,7 @@ def refusal(func) -> str | None:
 
 
 def host_collective(what: str) -> str | None:
-    """The refusal when ``what`` (a host sync, host data) came from inside a
-    ``torch.distributed`` function, such as ``broadcast_object_list`` pickling."""
+    """When ``what`` came from inside ``torch.distributed`` (``broadcast_object_list``)."""
     api = distributed_caller()
     if api is None:
         return None
@@ -89,8 +73,6 @@ def distributed_caller() -> str | None:
 
 def collective_step(func, args: tuple, kwargs: dict, outs: list[torch.Tensor],
                     writes: bool) -> Callable[[], None]:
-    """A replay step: issue ``func`` again on the captured tensors and wait for it; a
-    functional (non-mutating) one then copies its fresh result into ``outs``."""
     op, wait = func._op, torch.ops._c10d_functional.wait_tensor.default._op
 
     def step() -> None:

@@ -1,35 +1,12 @@
-"""Compiled graphs: one ``torch.compile`` per (kind, bucket), through Dynamo.
+"""Compiled graphs: one ``torch.compile(fullgraph=True, dynamic=False)`` per graph key.
+Dynamo's own ``cudagraphs`` backend is not offered: in torch 2.13 it treats no input as
+static when modules are inlined, so every replay would copy every weight and pool.
 
-A capture compiles the phase callable with ``fullgraph=True, dynamic=False`` and
-calls it: the first call traces, compiles and (on a backend that records device
-graphs) records; a replay is one more call. ``compile_backend`` picks what Dynamo
-hands the graph to: ``inductor`` and ``aot_eager`` anywhere, ``reduce-overhead``
-(inductor recorded into CUDA graph trees) on CUDA, torchair's ``npugraph_ex`` or its
-``reduce-overhead`` mode on Ascend (``torchair_backend``). Dynamo's own ``cudagraphs``
-backend is not offered: in torch 2.13 it treats no graph input as static when modules
-are inlined and applies input mutations outside the graph, so every replay would copy
-every weight, KV pool and state tensor into the graph and the mutations back.
-
-Why each capture gets its own code object. Dynamo caches what it compiled on the
-*code object* of the frame, at most ``torch._dynamo.config.recompile_limit`` (8)
-entries each; with ``fullgraph=True`` the ninth raises ``FailOnRecompileLimitHit``.
-The runner captures ``partial(DecodeRound.run, kind, bucket)``: ``torch.compile`` of
-a partial compiles one wrapper frame that every partial shares, and a closure made
-by one ``def`` shares that ``def``'s code object, so every (kind, bucket) landed in
-one cache and the ninth capture failed. ``_entry`` copies a one-line trampoline's
-code with ``code.replace``: each graph's cache holds its one entry (one guard set
-to check per replay, never a recompile of another graph) and dies with the graph.
-Raising the recompile limit instead would make every replay walk the guards of
-every graph, and ``torch.compile(isolate_recompiles=True)`` (torch 2.13) still piles
-every engine's entries on one shared code object, up to a process-wide cap.
-
-Static inputs. Every tensor a capture callable holds (request state, round buffers,
-KV pools) keeps its address for the engine's life: that is the graph contract the
-runner checks with ``debug_check_addresses``. They are marked with
-``torch._dynamo.mark_static_address``, so a backend that records device graphs
-(inductor's CUDA graph trees, npugraph_ex) reads and writes them in place instead of
-copying them into graph-owned inputs, or skipping the graph for mutated inputs. Module
-parameters and buffers Dynamo marks itself.
+Each capture gets its own code object (``_entry``): Dynamo caches per code object, at
+most ``recompile_limit`` (8) entries, and every ``partial(unit.run, key)`` shares one,
+so the ninth capture would fail under ``fullgraph``; raising the limit would make every
+replay walk every graph's guards. Every tensor a capture holds is marked static, so
+recording backends use it in place instead of copying it into graph-owned inputs.
 """
 
 from __future__ import annotations
@@ -47,9 +24,7 @@ import torch
 from ..errors import ConfigError
 from ..errors import CaptureError
 
-# What ``graph.compile_backend`` may name for the ``compile`` backend (CPU / CUDA) and for
-# ``torchair`` (Ascend); ``auto`` is resolved from the device (config.resolve) or, on
-# Ascend, from what the installed torch_npu offers.
+# ``auto`` is resolved by config/graph.py:resolve_compile, on Ascend by torchair_compiler
 DYNAMO_BACKENDS = ("inductor", "aot_eager", "reduce-overhead")
 TORCHAIR_BACKENDS = ("npugraph_ex", "reduce-overhead")
 CUDA_ONLY = ("reduce-overhead",)
@@ -60,8 +35,6 @@ _GRAPH_TREE_CALLS = 3
 
 @dataclass(frozen=True)
 class Compiler:
-    """How ``torch.compile`` is called for every graph of a backend."""
-
     label: str  # what logs and errors name: "inductor", "npugraph_ex", ...
     backend: str | Callable  # a registered Dynamo backend name, or a backend callable
     mode: str | None = None  # torch.compile mode (inductor only)
@@ -74,7 +47,6 @@ class Compiler:
 
 
 def dynamo_compiler(name: str) -> Compiler:
-    """The ``compile`` backend's compiler for ``graph.compile_backend`` ``name``."""
     if name == "reduce-overhead":
         return Compiler(name, "inductor", mode="reduce-overhead", calls=_GRAPH_TREE_CALLS,
                         cuda_graphs=True)
@@ -86,12 +58,8 @@ def dynamo_compiler(name: str) -> Compiler:
 
 def torchair_compiler(choice: str, torchair: Any,
                       lookup: Callable[[str], Callable | None]) -> Compiler:
-    """torchair's compiler: ``npugraph_ex`` (the Dynamo backend torch_npu registers where
-    it ships it) or torchair's ``reduce-overhead`` mode (``get_npu_backend``); ``auto``
-    takes npugraph_ex where the installed torch_npu offers it.
-
-    ``torchair``: the torchair module; ``lookup(name)``: a registered Dynamo backend or None.
-    """
+    """``auto``: npugraph_ex where the installed torch_npu registers it, else torchair's
+    reduce-overhead mode. ``lookup(name)``: a registered Dynamo backend or None."""
     if choice not in ("auto",) + TORCHAIR_BACKENDS:
         raise ConfigError(f"graph backend 'torchair': compile_backend {choice!r} is not one of "
                           f"{('auto',) + TORCHAIR_BACKENDS}")
@@ -103,10 +71,8 @@ def torchair_compiler(choice: str, torchair: Any,
             raise ConfigError("graph backend 'torchair': the installed torch_npu registers no "
                               "'npugraph_ex' Dynamo backend; set graph.compile_backend to "
                               "reduce-overhead (or auto), or install a newer torch_npu")
-        # Every input is a static tensor the graph reads in place (state tables, round
-        # buffers, KV pools): torchair's default clone_input=True would copy each one on
-        # every replay (torchair configs/npugraphex_config.py maps it to
-        # debug.aclgraph.clone_input).
+        # inputs are static tensors read in place: torchair's default clone_input=True
+        # would copy each one on every replay (torchair configs/npugraphex_config.py)
         return Compiler("npugraph_ex", functools.partial(npugraph_ex,
                                                          options={"clone_input": False}))
     config = torchair.CompilerConfig()
@@ -129,7 +95,7 @@ def _trampoline(fn: Callable[[], Any]) -> Callable[[], None]:
 
 
 def _entry(fn: Callable[[], Any], name: str) -> types.FunctionType:
-    """A function calling ``fn`` whose code object is its own (see the module docstring)."""
+    """A function calling ``fn`` on a code object of its own."""
     proto = _trampoline(fn)
     names = {"co_name": name}
     if sys.version_info >= (3, 11):
@@ -139,15 +105,14 @@ def _entry(fn: Callable[[], Any], name: str) -> types.FunctionType:
 
 
 def _label(fn: Callable) -> str:
-    """``rollout_B8`` for the runner's ``partial(run, "rollout", 8)``; for logs only."""
+    """``round_B4`` (``str(key)``) for the cache's ``partial(unit.run, key)``; logs only."""
     if isinstance(fn, functools.partial) and fn.args:
         return "_B".join(str(a) for a in fn.args)
     return fn.__name__ if isinstance(fn, types.FunctionType) else "graph"
 
 
 def held_tensors(fn: Callable) -> list[torch.Tensor]:
-    """Every tensor ``fn`` holds outside ``nn.Module``s: through partials, bound methods,
-    closures, dataclasses, containers and plain objects' attributes (not globals)."""
+    """Every tensor ``fn`` reaches outside ``nn.Module``s (not through globals)."""
     seen: set[int] = set()
     found: dict[int, torch.Tensor] = {}
     stack: list[Any] = [fn]
@@ -186,7 +151,6 @@ def _children(obj: Any, found: dict[int, torch.Tensor]) -> Iterator[Any]:
 
 
 def _cudagraph_skips() -> int:
-    """How many times inductor has declined to record a CUDA graph in this process."""
     return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
@@ -206,11 +170,9 @@ class CompiledGraph:
 
 
 def refuse_dispatch_mode(label: str) -> None:
-    """Refuse to run a compiled graph under a ``TorchDispatchMode``. Dynamo skips a frame
-    entered under one and, with ``fullgraph=True``, marks its code as never to compile:
-    that one call fails, and so does every later call of the graph, mode or not (torch
-    2.13). Raising first fails the step only (the engine fails its requests) and keeps
-    the graph. Count a compiled round with the profiler (``counting.compiled_counter``)."""
+    """Dynamo skips a frame entered under a ``TorchDispatchMode`` and, with fullgraph,
+    marks its code never to compile, so every later call fails too (torch 2.13): raising
+    first fails the step only. Count compiled rounds with ``counting.compiled_counter``."""
     mode = torch.utils._python_dispatch._get_current_dispatch_mode()
     if mode is not None:
         raise RuntimeError(f"compiled graph {label} cannot run under the active "
@@ -219,9 +181,7 @@ def refuse_dispatch_mode(label: str) -> None:
 
 
 class CompileBackend:
-    """``torch.compile(fullgraph=True, dynamic=False)`` per (kind, bucket), each graph on
-    its own code object, static inputs marked. ``device``: ``torch.cuda`` or a
-    ``torch.npu``-like namespace (stream capture state, sync, memory), None on CPU."""
+    """``device``: ``torch.cuda`` or a ``torch.npu``-like namespace; None on CPU."""
 
     captures = True
 
@@ -266,8 +226,7 @@ class CompileBackend:
         return CompiledGraph(compiled, entry.__code__, label, max(0, self._reserved() - before))
 
     def _reserved(self, empty_cache: bool = False) -> int:
-        """Device memory the caching allocator holds (0 on CPU): its growth over a
-        capture is what the graph took (memory_allocated misses a graph's private pool)."""
+        """Reserved, not allocated: memory_allocated misses a graph's private pool."""
         if self.device is None:
             return 0
         self.device.synchronize()
@@ -286,7 +245,6 @@ class CompileBackend:
 
 
 def dynamo_backend(compile_backend: str = "auto") -> CompileBackend:
-    """The ``compile`` backend on CPU or CUDA; ``auto`` is inductor."""
     name = "inductor" if compile_backend == "auto" else compile_backend
     compiler = dynamo_compiler(name)
     if name in CUDA_ONLY and not torch.cuda.is_available():
@@ -298,12 +256,8 @@ def dynamo_backend(compile_backend: str = "auto") -> CompileBackend:
 def torchair_backend(compile_backend: str = "auto", namespace: Any = None,
                      torchair: Any = None, lookup: Callable[[str], Callable | None] | None = None
                      ) -> CompileBackend:
-    """The ``torchair`` backend: ``compile`` with torchair's compiler, on Ascend.
-
-    torch_npu (and the torchair it ships) is imported here, so a machine without it
-    fails at start-up with a ConfigError naming torch_npu. ``namespace`` (a torch.npu-like
-    module), ``torchair`` and ``lookup`` stand in for the real ones in CPU tests.
-    """
+    """torch_npu is imported here, so a machine without it fails at start-up naming it.
+    ``namespace``, ``torchair`` and ``lookup`` stand in for the real ones in CPU tests."""
     if torchair is None:
         from .npu import _import_torch_npu  # lazy: torch_npu breaks `import torch` without CANN
 

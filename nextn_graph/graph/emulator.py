@@ -1,22 +1,6 @@
-"""A strict CPU emulator of CUDA / NPU graph capture and replay.
-
-While capturing, a ``TorchDispatchMode`` records every kernel-launching aten op
-with the very tensors it read and wrote; ``replay`` re-runs the list into the
-same tensors. What a real graph cannot hold is refused at capture, naming the
-op and the line that called it: host syncs (``.item()``, ``.tolist()``,
-``bool()``/``int()`` of a tensor, ``nonzero``, boolean-mask indexing,
-``unique``, ``repeat_interleave`` without ``output_size``), tensors built from
-host data, RNG, and host-side collectives (``torch.distributed.all_reduce``...).
-Functional collectives (``_c10d_functional``) replay: re-issued on the captured
-input, waited for and copied into the captured output, in capture order
-(``collectives.py``). A failed capture leaves the graph empty.
-
-Like ``torch.npu.NPUGraph`` with ``auto_dispatch_capture=True``, ops found in
-the graph's ``updatable`` registry (kernels that take host sequence lengths) are
-recorded with their arguments, and ``update(cpu_update_input)`` rewrites those
-arguments before the next replay; a graph built with ``require_update`` refuses
-to replay when an update it needs was not given.
-"""
+"""A strict CPU emulator of CUDA / NPU graph capture: it records every kernel-launching
+aten op with the very tensors it used and replays into them; what a real graph cannot
+hold is refused at capture, naming the op and the calling line."""
 
 from __future__ import annotations
 
@@ -160,7 +144,6 @@ class CpuGraph:
 
     @property
     def update_ops(self) -> list[str]:
-        """Names of the recorded ops that need an update before each replay."""
         return [rec.func.__name__ for rec in self.updates]
 
     @property
@@ -173,7 +156,6 @@ class CpuGraph:
         return len(self.collective_ops)
 
     def capture_begin(self) -> None:
-        """Start recording (the ``with torch.npu.graph(g)`` style); see ``capture``."""
         self.steps, self.updates, self.outputs, self.nbytes = [], [], None, 0
         self._uses, self.collective_ops, self._issued = [], [], []
         self._modes = contextlib.ExitStack()
@@ -193,7 +175,6 @@ class CpuGraph:
         self._updated = False
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` once, recording it; returns its (static) outputs."""
         self.capture_begin()
         try:
             outputs = fn()
@@ -218,8 +199,7 @@ class CpuGraph:
             self.steps.append(lambda r=rec, o=outs: copy_into(o, r.func._op(*r.args, **r.kwargs)))
             self._uses.append((tensors(list(args) + list(kwargs.values())), outs))
             return
-        # Steps call the C++ op (``._op``) directly: the Python OpOverload wrapper
-        # costs a third of a tiny kernel's dispatch.
+        # ``._op``: the Python OpOverload wrapper costs a third of a tiny kernel's dispatch
         if writes:  # in-place or out= op: run it again on the same tensors
             self.steps.append(functools.partial(func._op, *args, **kwargs))
             self._uses.append((tensors(list(args) + list(kwargs.values())), []))

@@ -1,5 +1,4 @@
-"""What one graph runs: a ``Phase`` of the round (or the whole fused round) at a bucket,
-greedy or sampling: its ``GraphKey``."""
+"""What one graph runs: its ``GraphKey``."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ from ..config import PHASE_NAMES
 
 
 class Phase(StrEnum):
-    """A captured unit of a decode round."""
-
     ROLLOUT = "rollout"
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
@@ -23,8 +20,7 @@ SPLIT_PHASES = tuple(Phase(name) for name in PHASE_NAMES)  # in round order
 
 @dataclass(frozen=True, order=True)
 class GraphKey:
-    """One graph of the cache. ``sampled``: the variant that draws each request's tokens
-    with its sampling parameters (greedy rows in it still take the greedy tokens)."""
+    """``sampled``: the sampling variant (greedy rows in it take the greedy tokens)."""
 
     phase: Phase
     bucket: int
@@ -32,9 +28,8 @@ class GraphKey:
 
     @property
     def name(self) -> str:
-        """What records, counters, metrics and reports call the graph's unit:
-        ``target_verify``, ``round+sampling``."""
+        """What records, metrics and reports show: ``target_verify``, ``round+sampling``."""
         return f"{self.phase}+sampling" if self.sampled else str(self.phase)
 
-    def __str__(self) -> str:
-        return f"{self.name} B={self.bucket}"
+    def __str__(self) -> str:  # what logs and compiled graphs' labels say: round_B4
+        return f"{self.name}_B{self.bucket}"

@@ -1,11 +1,6 @@
-"""Ascend backend ``npu``: ``torch.npu.NPUGraph`` (torchair's ``torch.compile``
-backend is the ``torchair`` case of ``compile.py``).
-
-Imported only when one is chosen: ``torch_npu`` breaks ``import torch`` on a
-machine without the CANN toolkit. The backend takes its module as an argument, so
-the CPU test suite drives it against ``tests/fake_npu.make_fake_npu()``, a namespace
-backed by the strict emulator. It has not run on Ascend hardware yet.
-"""
+"""Ascend backend ``npu``: ``torch.npu.NPUGraph``, imported only when chosen (torch_npu
+breaks ``import torch`` without CANN). Tested against ``tests/fake_npu``, not yet on
+Ascend hardware."""
 
 from __future__ import annotations
 
@@ -35,10 +30,9 @@ def _torch_npu_version() -> str:
 
 
 def _check_update_api(npu: Any, version: str) -> None:
-    """``torch.npu.graph(..., auto_dispatch_capture=True)`` and ``NPUGraph.update``
-    arrived with Ascend Extension for PyTorch 7.1.0; before, passing the argument is a
-    TypeError at the first capture. ``torch_npu.__version__`` cannot tell: it follows
-    PyTorch ("2.5.1.post1"), not that release line, so the API itself is inspected."""
+    """``auto_dispatch_capture`` and ``NPUGraph.update`` arrived with Ascend Extension
+    for PyTorch 7.1.0; ``torch_npu.__version__`` follows PyTorch ("2.5.1.post1"), not
+    that release line, so the API itself is inspected."""
     try:
         params = inspect.signature(npu.graph).parameters
     except (TypeError, ValueError):  # a builtin without a signature: assume the worst
@@ -67,13 +61,8 @@ class _NpuGraph:
 
 
 class NpuBackend:
-    """NPUGraph with ``auto_dispatch_capture=True``; updates derived from the records.
-
-    Every update rule is checked against torch_npu's graph op handler table at
-    capture: a key torch_npu would ignore is refused, naming the op and the key.
-    ``namespace``/``version``: a torch.npu-like module and its torch_npu version
-    (the CPU fake); by default torch_npu is imported here.
-    """
+    """``namespace``/``version``: a torch.npu-like module (the CPU fake); by default
+    torch_npu is imported here."""
 
     name, captures = "npu", True
 

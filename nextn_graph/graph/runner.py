@@ -1,10 +1,5 @@
-"""The graph cache: one captured graph per ``GraphKey``, captured once, replayed by key.
-
-Capture warms each key's unit up, then captures it into one memory pool shared by every
-graph, largest bucket first, recording each capture's time and memory. Which keys there
-are, which slots a unit reads and what surrounds a replay (staging, graph updates,
-readback) is the runtime's (``runtime/chunks.py``).
-"""
+"""The graph cache: one graph per ``GraphKey``, captured once into one shared pool,
+largest bucket first, and replayed by key."""
 
 from __future__ import annotations
 
@@ -22,8 +17,6 @@ from .kinds import GraphKey
 
 
 class Unit(Protocol):
-    """What the cache captures (``runtime.round.DecodeRound``)."""
-
     def run(self, key: GraphKey) -> None: ...  # key's unit, eagerly, over static tensors
 
     def static_tensors(self) -> dict[str, torch.Tensor]: ...  # what the graphs bake in
@@ -71,12 +64,10 @@ class GraphRunner:
         ran inside it (part of the replay, not submissions of their own)."""
         issued = self._issued()
         self.graphs[key].replay(update)
-        # a compiled graph re-issues its collectives from Python (Dynamo replays the
-        # increments): those were counted where they ran
+        # a compiled graph re-issues its collectives from Python: counted where they ran
         return self._held.get(key, 0) if self._issued() == issued else 0
 
     def check_addresses(self, static: dict[str, torch.Tensor]) -> None:
-        """Raise if a static input moved since capture (graph.debug_check_addresses)."""
         for name, ptr in _addresses(static).items():
             if self._addresses.get(name) != ptr:
                 raise CaptureError(f"static input {name} moved since capture "

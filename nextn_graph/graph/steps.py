@@ -1,9 +1,5 @@
-"""How a recorded op becomes a fast replay step, and how intermediates share memory.
-
-The emulator's replay cost is per-op host dispatch, so each step is the cheapest
-call that writes the captured output in place, and the intermediates of a graph
-share memory the way a graph pool does, which keeps a replay's working set small.
-"""
+"""Emulator replay steps, the cheapest call writing the captured output in place (replay
+cost is per-op host dispatch), and memory sharing between intermediates."""
 
 from __future__ import annotations
 
@@ -42,11 +38,9 @@ def out_variant(func) -> tuple[Any, tuple[str, ...]] | None:
 
 
 def precast_scalars(func, args, dtype: torch.dtype) -> tuple:
-    """Python numbers in Tensor slots (PyTorch's wrapped scalars) become 0-dim tensors,
-    once: the kernel would wrap and convert them on every replay. They are cast to the
-    op's compute dtype (fp32 for bf16/fp16 outputs), not the output dtype: eager
-    multiplies a bf16 tensor by the scalar in fp32, so a bf16-rounded scalar would
-    change results (a 0-dim tensor never changes the promoted output dtype)."""
+    """Python numbers in Tensor slots become 0-dim tensors once, not on every replay, in
+    the op's compute dtype (fp32 for bf16 outputs): eager multiplies a bf16 tensor by
+    the scalar in fp32, so a bf16-rounded scalar would change results."""
     if not dtype.is_floating_point:
         return tuple(args)
     compute = torch.promote_types(dtype, torch.float32)  # opmath: fp32, or fp64 for fp64
@@ -56,9 +50,8 @@ def precast_scalars(func, args, dtype: torch.dtype) -> tuple:
 
 
 def fast_out_step(func, out_op, args, kwargs, outs) -> Callable[[], Any]:
-    """A replay step writing into ``outs``: the public ``torch.<op>(..., out=)`` binding
-    when it reproduces the captured result bitwise (it parses arguments faster than
-    the boxed ``OpOverload`` call), else the ``.out`` overload itself."""
+    """The public ``torch.<op>(..., out=)`` binding (faster to parse) when it reproduces
+    the captured result bitwise, else the ``.out`` overload."""
     out_kwargs = {**kwargs, **dict(zip(out_op[1], outs))}
     slow = functools.partial(out_op[0]._op, *args, **out_kwargs)
     public = getattr(torch, func.overloadpacket.__name__, None)
@@ -78,14 +71,8 @@ def fast_out_step(func, out_op, args, kwargs, outs) -> Callable[[], Any]:
 
 
 def share_memory(uses: list, keep: list[torch.Tensor]) -> int:
-    """Let intermediates share memory, as a graph pool does: liveness over the recorded
-    steps, then every tensor on a storage a step allocated is re-pointed (``set_``) into
-    a block that an earlier, already dead intermediate of the same size used. Returns
-    the bytes the graph holds.
-
-    Parameters, pools, static buffers and ``keep`` (what the capture returned) are
-    never moved; a step's output never shares with its own inputs.
-    """
+    """Intermediates share blocks by liveness, as a graph pool does -> bytes held.
+    Storages no step allocated, and ``keep``, never move."""
     born: dict[int, int] = {}  # storage -> the step that allocated it
     last: dict[int, int] = {}  # storage -> the last step that touches it
     holders: dict[int, list[torch.Tensor]] = {}

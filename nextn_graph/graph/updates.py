@@ -1,16 +1,7 @@
 """Host-argument updates of captured kernels (NPU graph ``update(cpu_update_input)``).
-
-Some kernels take host-side sequence lengths (fused infer attention's
-``actual_seq_lengths_kv``, paged attention's ``context_lens``); a graph bakes them
-at capture, so every replay must hand in the current values: one dict per
-recorded updatable op, in capture order. Which ops were recorded is read back
-from the captured graph, and each op's dict is computed by its registered rule
-from the replay's host-side facts: derived, never hard-coded.
-
-On an NPU, torch_npu, not this project, decides which ops are recorded and which
-keys of a dict are applied (its graph op handler table, ``TORCH_NPU_HANDLERS``);
-every other key is ignored without a word, and the kernel keeps its capture-time
-lengths. So the NPU backend checks each rule against that table at capture.
+A graph bakes a kernel's host sequence lengths at capture, so every replay hands in one
+dict per recorded updatable op, derived by its registered rule. torch_npu silently
+ignores any key its handler table does not apply, so every rule is checked against it.
 """
 
 from __future__ import annotations
@@ -24,26 +15,17 @@ from ..errors import CaptureError
 
 @dataclass(frozen=True)
 class UpdateContext:
-    """What the host knows about one replay of a bucket."""
-
     bucket: int  # B, the graph's request count
     width: int  # rows per request in the graph (N for verify / extend, 1 per rollout step)
     rows: tuple[int, ...]  # pool rows, padded with 0 to the bucket
     lengths: tuple[int, ...]  # committed length per row, 0 for padding
 
 
-# -- what torch_npu records and updates ---------------------------------------------------
-
 @dataclass(frozen=True)
 class OpHandler:
-    """One entry of torch_npu's graph op handler table.
-
-    Under ``auto_dispatch_capture=True`` torch_npu records a call of a table op, and
-    ``NPUGraph.update`` then applies an update dict to it in two ways only: a key
-    naming one of the recorded call's kwargs replaces that kwarg, and each
-    ``(index, key)`` below replaces ``args[index]`` when the recorded call has that
-    many positional args. Any other key is ignored, silently.
-    """
+    """One entry of torch_npu's graph op handler table. ``NPUGraph.update`` applies a key
+    only if it names a kwarg of the recorded call, or as an ``(index, key)`` below when
+    the call has that many positional args; any other key is ignored, silently."""
 
     args: tuple[tuple[int, str], ...]  # (positional index, update key)
     layout_at: int | None = None  # FA v3: an input_layout "BNSD" (kwarg or args[i]) bypasses
@@ -61,16 +43,14 @@ def _overloads(packet: str, overloads: tuple[str, ...], handler: OpHandler) -> d
     return {name: handler for name in (packet, *(f"{packet}.{o}" for o in overloads))}
 
 
-# torch_npu's table, keyed by ``func.__name__`` as its ``__torch_dispatch__`` looks it up
-# (no namespace: an op of the same overload name from any library is handled alike).
+# torch_npu's table, keyed by ``func.__name__`` (no namespace: any library's op alike).
 # Transcribed from github.com/Ascend/pytorch:
 #   torch_npu/npu/_npugraph_handlers/ifa_handler.py @ 2e2ffc1dacf6ab6c353d6de49618d1c370e680e8
 #   torch_npu/npu/_npugraph_handlers/simple_handler.py @ 792a02729df12ecb9d0ce2a546a00ca3b7027991
 #     (its later UPDATE_SPECS form @ 6d0117ffd91b388e90da2f5979ae9c770b182c7f holds the same data)
 #   torch_npu/npu/_npugraph_handlers/_fa3_graph_handler.py
 #     @ 698247022bc610517b2354235af785b51c8da68c
-#     (should_handle: BNSD bypasses; the package __init__ @ 681d2d0bb623 imports only the
-#     IFA and simple handlers, so FA v3 may be unregistered in a given build)
+#     (BNSD bypasses; the package __init__ @ 681d2d0bb623 may not register FA v3)
 #   the kwarg rule: _GraphDispatchMode.update_capture_record in torch_npu/npu/graphs.py
 #     @ 0dc3742d22df70b5d5323a6c88ffbbf79cf78568
 # IFA v1/v2 and FA v3 record their ``.default`` calls as ``.out`` (the handler swaps the
@@ -89,12 +69,9 @@ TORCH_NPU_HANDLERS: dict[str, OpHandler] = {
 }
 
 
-# -- the project's rules ------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Updatable:
-    # How an update dict maps onto the recorded call: ("kwarg", name, key) or
-    # ("arg", index, key), the form torch_npu's graph op handlers declare.
+    # ("kwarg", name, key) or ("arg", index, key), as torch_npu's handlers declare
     spec: tuple[tuple[str, Any, str], ...]
     rule: Callable[[UpdateContext], dict]  # the dict for this replay
 
@@ -111,7 +88,6 @@ class UpdateRegistry:
         self.ops[op_name] = Updatable(tuple(spec), rule)
 
     def find(self, func) -> Updatable | None:
-        """The entry for an aten/custom op overload (by overload or packet name)."""
         return self.ops.get(func.__name__) or self.ops.get(func.overloadpacket.__name__)
 
     def _entry(self, name: str) -> Updatable:
@@ -122,7 +98,6 @@ class UpdateRegistry:
         return entry
 
     def derive(self, op_names: list[str], ctx: UpdateContext) -> list[dict]:
-        """One update dict per recorded op, from the rules of what was captured."""
         dicts = []
         for name in op_names:
             entry = self._entry(name)
@@ -134,7 +109,6 @@ class UpdateRegistry:
             dicts.append(update)
         return dicts
 
-    # -- against torch_npu's handler table ------------------------------------------
     def check_torch_npu_rules(self, handlers: dict[str, OpHandler] = TORCH_NPU_HANDLERS) -> None:
         """Refuse every rule torch_npu would not apply: its op is not in the table, a
         kwarg is fed from a key of another name, or an arg slot is not the table's."""

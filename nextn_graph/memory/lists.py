@@ -17,8 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import CapacityError
+from ..labels import KV_CACHE
 from .batch import ForwardBatch, ForwardPlan
 from .pool import Ring
+
+profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
 
 INT32_ROWS = 2 ** 31  # list entries are int32 rows
 

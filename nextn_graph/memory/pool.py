@@ -28,7 +28,11 @@ from typing import Protocol
 import torch
 
 from ..errors import CapacityError
+from ..labels import KV_CACHE
 from .batch import ForwardPlan
+
+profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
+
 
 class CacheDims(Protocol):
     """What a pool reads of a model's config (``ModelConfig`` has these): the model

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..labels import ATTENTION
 from ..memory.batch import ForwardPlan
 from ..memory.lists import entry_list, sequence_plan, window_list
 from ..memory.pool import LayerCache, Ring
@@ -36,6 +37,7 @@ class Attention(UsesKernels, nn.Module):
 
     ``rope``: the model's table for this kind of layer (``RopeTables.for_ratio``), shared
     with the other layers of the kind and owned (registered) by the model."""
+    profile_label = ATTENTION
 
     def __init__(self, cfg: ModelConfig, ratio: int, tp: TPGroup, rope: RopeTable):
         super().__init__()

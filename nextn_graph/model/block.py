@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..kernels.mhc import HcConstants
+from ..labels import MHC
 from ..memory.batch import ForwardPlan
 from ..memory.pool import LayerCache
 from ..parallel.group import TPGroup
@@ -20,6 +21,7 @@ from .ops import RMSNorm, RopeTable, UsesKernels
 
 class Block(UsesKernels, nn.Module):
     """``rope``: the model's RoPE table for this layer's kind (``RopeTables.for_ratio``)."""
+    profile_label = MHC  # hc_pre / hc_post, the layer's glue
 
     def __init__(self, cfg: ModelConfig, ratio: int, hashed: bool, tp: TPGroup,
                  rope: RopeTable):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..kernels.compress import pool
+from ..labels import COMPRESSOR, INDEXER
 from ..memory.batch import ForwardPlan
 from ..memory.lists import candidate_list, entry_base, finished_count
 from ..memory.pool import CompressedCache
@@ -31,6 +32,8 @@ from .ops import RMSNorm, RopeTable, UsesKernels, mask_bias
 
 
 class Compressor(UsesKernels, nn.Module):
+    profile_label = COMPRESSOR
+
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
         super().__init__()
         self.ratio = ratio
@@ -156,6 +159,7 @@ class Indexer(UsesKernels, nn.Module):
 
     Under tensor parallelism a rank scores with its heads (``wq_b``, ``weights_proj``) and
     the partial scores are all-reduced before the top-k; the compressor is replicated."""
+    profile_label = INDEXER
 
     def __init__(self, cfg: ModelConfig, ratio: int, tp: TPGroup):
         super().__init__()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..labels import EMBED, HEAD, MHC, labelled
 from ..memory.batch import ForwardBatch, ForwardPlan
 from ..memory.pool import KVPool, PoolLayout
 from ..parallel.group import TPGroup
@@ -36,12 +37,14 @@ def add_stream_head(module: nn.Module, cfg: ModelConfig) -> None:
     module.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
+@labelled(MHC)  # the stream head's hc_head, reference or fused
 def hc_collapse(module: UsesKernels, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     """The stream head's ``hc_head``: x [T, hc, D] -> [T, D]."""
     return module.kernels.hc_head(x, module.hc_head_fn, module.hc_head_scale,
                                   module.hc_head_base, cfg.hc_eps, cfg.rms_norm_eps)
 
 
+@labelled(HEAD)  # the target's and the draft's
 def stream_output(module: UsesKernels, cfg: ModelConfig, x: torch.Tensor,
                   head: nn.Linear, tp: TPGroup) -> ForwardOutput:
     """hc_head, norm, LM head: x [T, hc, D] -> logits [T, V] and pre_hc_head [T, hc*D]."""
@@ -55,6 +58,7 @@ class ParallelEmbedding(nn.Module):
     Capture-safe: ids outside the rank's rows are clamped into range and their rows
     zeroed with ``torch.where`` (no boolean indexing, no host sync), then the ranks'
     rows are summed; each id has exactly one owner, so the sum is exact."""
+    profile_label = EMBED
 
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
         super().__init__()
@@ -75,6 +79,8 @@ class ParallelEmbedding(nn.Module):
 
 
 class DeepseekV4ForCausalLM(UsesKernels, nn.Module):
+    profile_label = HEAD
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg
@@ -96,6 +102,7 @@ class DeepseekV4ForCausalLM(UsesKernels, nn.Module):
         p = self.embed.weight
         return KVPool(self.cfg, layout, self.layer_ratios(), device=p.device, dtype=p.dtype)
 
+    @labelled(EMBED)
     def _streams(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding copied into every stream: [T] -> [T, hc, D]."""
         return self.embed(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1)

@@ -22,12 +22,14 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels.select import Kernels
+from ..labels import MOE_ROUTED
 from .quant import QuantLinear
 
 
 @dataclass
 class FloatStack:
     """One projection of every local expert as float weights [G, out, in]."""
+    profile_label = MOE_ROUTED
 
     weight: Tensor  # [G, out, in]
     linears: list[nn.Linear]  # their ``weight`` params are views of ``weight``
@@ -44,6 +46,7 @@ class FloatStack:
 @dataclass
 class QuantStack:
     """One projection of every local expert as stored bits and scales."""
+    profile_label = MOE_ROUTED
 
     weight: Tensor  # [G, out, in | in/2] uint8
     scale: Tensor  # [G, ...] uint8 (e8m0) or int32 (fp32 bits)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..labels import DEFER, MOE_GATE, MOE_ROUTED, MOE_SHARED, labelled
 from ..parallel.group import TPGroup
 from .config import ModelConfig
 from .experts import stack_projection
@@ -27,6 +28,8 @@ from .ops import UsesKernels
 
 
 class Expert(UsesKernels, nn.Module):
+    profile_label = DEFER  # its MoE's: routed, or shared (MoE._shared)
+
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
         self.w1 = nn.Linear(dim, inter, bias=False)  # gate
@@ -39,6 +42,8 @@ class Expert(UsesKernels, nn.Module):
 
 
 class Gate(UsesKernels, nn.Module):
+    profile_label = MOE_GATE
+
     def __init__(self, cfg: ModelConfig, hashed: bool):
         super().__init__()
         self.topk, self.scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
@@ -60,6 +65,8 @@ class Gate(UsesKernels, nn.Module):
 
 
 class MoE(UsesKernels, nn.Module):
+    profile_label = MOE_ROUTED
+
     def __init__(self, cfg: ModelConfig, hashed: bool, tp: TPGroup):
         super().__init__()
         self.tp = tp
@@ -91,7 +98,13 @@ class MoE(UsesKernels, nn.Module):
         chosen, weights = self.gate(x, input_ids)  # [T, k] each
         routed = self.tp.all_reduce(self._routed(x, chosen, weights))  # every rank's (fp32)
         # one add in fp32 (the bf16 shared output promoted exactly, no copy of its own)
-        return torch.add(routed, self.shared_experts(x)).to(x.dtype)
+        return torch.add(routed, self._shared(x)).to(x.dtype)
+
+    @labelled(MOE_SHARED)
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert: x [T, D] -> [T, D]. A method of its own for its label (the
+        expert defers to its caller)."""
+        return self.shared_experts(x)
 
     def _routed(self, x: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..labels import NEXTN_FUSE
 from ..memory.batch import ForwardBatch, ForwardPlan
 from ..memory.pool import KVPool, PoolLayout
 from ..parallel.group import TPGroup
@@ -19,6 +20,7 @@ from .ops import RMSNorm, RopeTable
 
 class NextNLayer(Block):
     """``mtp.0.*``: fusion projections, the decoder layer, and the stream head."""
+    profile_label = NEXTN_FUSE  # its own code: fuse (Block's methods: MHC)
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, rope: RopeTable):
         super().__init__(cfg, NEXTN_COMPRESS_RATIO, hashed=False, tp=tp, rope=rope)
@@ -40,6 +42,7 @@ class NextNLayer(Block):
 class DeepseekV4ForCausalLMNextN(nn.Module):
     """Sharded as the target is, over the target's group, sharing its embedding and
     head shards."""
+    profile_label = NEXTN_FUSE
 
     def __init__(self, cfg: ModelConfig, target: DeepseekV4ForCausalLM):
         super().__init__()

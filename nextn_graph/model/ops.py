@@ -14,6 +14,7 @@ from torch import nn
 
 from ..kernels.attention import mask_bias, sink_attention  # noqa: F401 (re-exported)
 from ..kernels.select import REFERENCE, Kernels
+from ..labels import NORM
 from ..memory.batch import ForwardPlan
 from .config import ModelConfig
 
@@ -41,6 +42,8 @@ def kernels_of(model: nn.Module) -> Kernels:
 
 
 class RMSNorm(UsesKernels, nn.Module):
+    profile_label = NORM
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps

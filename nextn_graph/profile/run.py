@@ -58,7 +58,7 @@ def profile_round(cfg: ModelConfig, st: ProfileSettings, source: str, top: int =
     rnd = decode_round(models, st)
     built = time.perf_counter()
     # an op of the project's with no kernel on the spec's device counts as what it runs
-    counter = WorkCounter(KindResolver((models.target, models.draft)), memo=True,
+    counter = WorkCounter(KindResolver(), memo=True,
                           decompose=decompositions(spec.backend, st.dtype),
                           length=st.context_len)
     count_round(rnd, st.bucket, counter)

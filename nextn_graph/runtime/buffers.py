@@ -1,14 +1,6 @@
-"""Static state of the decode rounds, allocated once: addresses never move.
-
-``RequestState`` holds each request's speculative state in two copies per pool row
-(``runtime/slots.py``). ``RoundBuffers`` holds one round's inputs and outputs at the
-largest bucket; a bucket of B requests uses the leading B rows. The phases read the
-staged ``slots`` and gather everything else from the state tables inside the graph,
-masking padding rows (row 0) to position 0, token 0 and zero hidden, so a shrinking
-batch can never read stale rows: the only per-round staging is the copy of the slots.
-KV written past the committed length is harmless: a redone round overwrites it before
-anything reads it (commit by length).
-"""
+"""Static state of the decode rounds, allocated once: addresses never move. Phases
+gather from these tables inside the graph and mask padding (row 0), so a shrinking batch
+never reads stale rows and the only per-round staging is the slots."""
 
 from __future__ import annotations
 
@@ -17,13 +9,14 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import RowParams
+from ..labels import BOOKKEEPING
 from .slots import SlotMap
+
+profile_label = BOOKKEEPING  # the work profile's label of this file's code (labels.py)
 
 
 @dataclass(frozen=True)
 class RequestState:
-    """Per-request state by slot (``SlotMap``: two copies per pool row)."""
-
     lengths: torch.Tensor  # [2R] committed length L (target KV exists below L)
     bonus: torch.Tensor  # [2R] the confirmed token at position L
     cand1: torch.Tensor  # [2R] draft candidate 1, for position L + 1
@@ -41,7 +34,6 @@ class RequestState:
 
     @property
     def rows(self) -> int:
-        """R, the pool's request rows (padding row 0 included)."""
         return self.map.rows
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -49,15 +41,14 @@ class RequestState:
 
     def store(self, slots: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
               cand1: torch.Tensor, seed: torch.Tensor) -> None:
-        """Write the state of ``slots`` [B]; padding rows all land in a row-0 slot,
-        which ``gather`` masks, so duplicate writes there are harmless."""
+        """Padding rows all write row-0 slots, which ``gather`` masks: harmless."""
         self.lengths.index_put_((slots,), lengths)
         self.bonus.index_put_((slots,), bonus)
         self.cand1.index_put_((slots,), cand1)
         self.seed.index_put_((slots,), seed)
 
     def gather(self, slots: torch.Tensor):
-        """Per-request state of ``slots`` [B], padding rows (row 0) neutralised."""
+        """-> (lengths, bonus, cand1, seed), padding (row 0) zeroed."""
         pad = self.map.rows_of(slots) == 0  # [B]
         return (self.lengths[slots].masked_fill(pad, 0), self.bonus[slots].masked_fill(pad, 0),
                 self.cand1[slots].masked_fill(pad, 0),
@@ -68,15 +59,11 @@ class RequestState:
 class RoundBuffers:
     slots: torch.Tensor  # [Bmax] committed state slots of this round's requests, 0 = padding
     hidden: torch.Tensor  # [Bmax*N, hc*H] verify pre_hc_head
-    # What the host reads back, one row per request, so a chunk's readback is one
-    # copy of the leading rows; the fields below are column views of it.
+    # one row per request, read back in one copy; the fields below are views of it
     readout: torch.Tensor  # [Bmax, 1 + N + S (+ N*K + ceil(N*(1+K)/2) with logprobs)]
     accept_lens: torch.Tensor  # [Bmax] in [1, N]            readout[:, 0]
     preds: torch.Tensor  # [Bmax, N] target predictions      readout[:, 1:1+N]
     draft_tokens: torch.Tensor  # [Bmax, S] the candidates   readout[:, 1+N:1+N+S]
-    # With K = graph.logprobs > 0 (else [Bmax, N, 0]): each verify row's K most likely
-    # tokens, and fp32 logprobs of its committed token then of those K, packed two per
-    # int64 column of the readout, so they come back in the same one copy.
     top_ids: torch.Tensor  # [Bmax, N, K]                     readout[:, 1+N+S:1+N+S+N*K]
     logprobs: torch.Tensor  # [Bmax, N, 1+K] fp32             readout[:, 1+N+S+N*K:] as fp32
 
@@ -86,7 +73,7 @@ class RoundBuffers:
         n, k = num_steps + 1, top_logprobs
         long = dict(dtype=torch.int64, device=device)
         tokens = 1 + n + num_steps
-        packed = (n * (1 + k) + 1) // 2 if k else 0  # fp32 pairs per int64 column
+        packed = (n * (1 + k) + 1) // 2 if k else 0  # K logprobs: fp32 pairs per int64
         readout = torch.zeros(max_batch, tokens + n * k + packed, **long)
         readout[:, 0] = 1
         if k:
@@ -104,19 +91,15 @@ class RoundBuffers:
 
     @property
     def top_logprobs(self) -> int:
-        """K, the top logprobs a round computes per token (0: none)."""
         return self.top_ids.shape[-1]
 
 
 @dataclass(frozen=True)
 class SamplingTables:
-    """What sampling adds (allocated only where the engine samples): each request's
-    parameters by pool row (row 0, padding, stays greedy), the draft distribution q that
-    candidate 1 was drawn from by state slot (two copies, like ``RequestState``), and the
-    round's q of every candidate. fp32 throughout: acceptance compares p with the very
-    q a candidate was drawn from."""
+    """Allocated only where the engine samples. fp32 throughout: acceptance compares p
+    with the very q a candidate was drawn from."""
 
-    temperature: torch.Tensor  # [R] fp32, 0 = greedy
+    temperature: torch.Tensor  # [R] fp32, 0 = greedy (row 0, padding, stays 0)
     top_p: torch.Tensor  # [R] fp32
     top_k: torch.Tensor  # [R] int64, 0 = off
     seed: torch.Tensor  # [R] int64, the request's sampling seed
@@ -137,7 +120,6 @@ class SamplingTables:
                                           **f32))
 
     def store(self, rows: torch.Tensor, params: RowParams) -> None:
-        """Admission: the parameters of pool rows [B] (never row 0)."""
         self.temperature.index_put_((rows,), params.temperature)
         self.top_p.index_put_((rows,), params.top_p)
         self.top_k.index_put_((rows,), params.top_k)
@@ -145,6 +127,5 @@ class SamplingTables:
         self.min_p.index_put_((rows,), params.min_p)
 
     def gather(self, rows: torch.Tensor) -> RowParams:
-        """The parameters of pool rows [B] (padding row 0 is greedy)."""
         return RowParams(self.temperature[rows], self.top_p[rows], self.top_k[rows],
                          self.seed[rows], self.min_p[rows])

@@ -1,14 +1,5 @@
-"""A chunk of a decode round: stage its slots, run its units, read back what it decided.
-
-A round larger than the largest bucket runs as bucket-sized chunks; a chunk is padded to
-its bucket with slot 0, which every phase masks inside the graph. ``launch`` stages the
-slots (unless the staged buffer already holds them: a fused round flips them itself, so
-a steady fused chunk is one replay and one readback), runs each unit, replayed from the
-graph cache or eagerly where it was not captured, and starts the readback copy;
-``finish`` waits for it, the chunk's one host sync. Another chunk may be launched in
-between (``graph.overlap``). Nothing here commits: the driver does, once the readback
-succeeded.
-"""
+"""A chunk of a decode round (docs/architecture.md): stage, run, read back. Nothing
+here commits: the driver does, once the readback succeeded."""
 
 from __future__ import annotations
 
@@ -34,22 +25,18 @@ COUNTED_AS = ("graph replays + staging copies (host->device slots, 1 per chunk) 
 
 
 class RoundObserver:
-    """A measurement hook (the bench's phase counter, phase timer and trace; the tests'
-    fault injection); serving runs with none. Both methods do nothing here."""
+    """A measurement hook (bench counters and trace, test fault injection); no-ops here."""
 
     def phase(self, name: str, replayed: bool) -> ContextManager:
-        """Around each unit of a chunk (``GraphKey.name``); ``replayed``: a graph ran it."""
         return nullcontext()
 
     def event(self, name: str, start: float, end: float) -> None:
-        """[start, end] in perf_counter seconds of a chunk's ``launch`` or ``read`` half,
-        of each graph ``replay`` call and of each ``read_wait`` for a readback copy."""
+        """perf_counter [start, end] of a ``launch``, ``read``, ``replay`` or ``read_wait``."""
 
 
 @dataclass
 class ReplayCounters(Counters):
-    """Every device submission of the rounds (``SUBMISSIONS``), and the chunks' shapes.
-    The ops of a unit run eagerly are the bench's to count (``profile.counting``)."""
+    """Ops of units run eagerly are not counted here: ``profile.counting`` does."""
 
     SUBMISSIONS = ("graph_replays", "staging_copies", "readback_copies", "graph_updates")
 
@@ -62,8 +49,7 @@ class ReplayCounters(Counters):
     bucket_splits: int = 0  # rounds larger than the largest bucket, run in chunks
     padded_rows: int = 0  # padding rows replayed alongside real ones
     overlapped_rounds: int = 0  # launched while an earlier round was still unread
-    # collectives inside replayed graphs (tensor parallelism): part of their replay
-    graph_collectives: int = 0
+    graph_collectives: int = 0  # inside replayed graphs (tensor parallel): not submissions
     sampled_chunks: int = 0  # chunks run in the sampling variants (a request samples)
     real_rows: int = 0
 
@@ -75,9 +61,7 @@ class ReplayCounters(Counters):
 
 
 def plan_chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[slice, int]]:
-    """The bucket policy: (requests, bucket) of each chunk of a round of n requests. The
-    smallest bucket that fits; above the largest, bucket-sized chunks; no buckets
-    (eager): one chunk of exactly n."""
+    """The smallest bucket that fits; above the largest, bucket-sized chunks."""
     if not buckets:
         return [(slice(0, n), n)]
     top = buckets[-1]
@@ -87,35 +71,27 @@ def plan_chunks(n: int, buckets: tuple[int, ...]) -> list[tuple[slice, int]]:
 
 @dataclass(frozen=True)
 class PendingChunk:
-    """A launched chunk whose readback is under way."""
-
     rows: int  # b, the real requests
     read: PendingRead
 
 
 @dataclass(frozen=True)
 class ChunkResult:
-    """Host copies of what a chunk decided, per real request in order."""
-
     accept_lens: list[int]
     preds: list[list[int]]  # [b][N]
     drafts: list[list[int]]  # [b][S]
-    # with graph.logprobs K: fp32 logprobs [b, N, 1+K] of each window row's token, then
-    # of its K most likely tokens, whose ids are top_ids [b, N, K] (host tensors)
+    # graph.logprobs K: fp32 [b, N, 1+K] (the row's token, then its top K), ids [b, N, K]
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
 
     def rows(self, keep: list[int]) -> "ChunkResult":
-        """The results of requests ``keep`` (indices), in that order."""
         lp = None if self.logprobs is None else (self.logprobs[keep], self.top_ids[keep])
         return ChunkResult([self.accept_lens[i] for i in keep], [self.preds[i] for i in keep],
                            [self.drafts[i] for i in keep], *(lp or ()))
 
 
 class ChunkRunner:
-    """Runs chunks of ``round`` over the graph cache ``graphs``. ``buckets``: sorted, empty
-    for eager; ``captured_phases``: graph.captured_phases, the split phases captured (a fused round
-    is always captured)."""
+    """``buckets``: sorted, empty for eager. A fused round is always captured."""
 
     def __init__(self, round: DecodeRound, graphs: GraphRunner, buckets: tuple[int, ...],
                  captured_phases: Sequence[str], updates: UpdateRegistry | None = None,
@@ -133,7 +109,6 @@ class ChunkRunner:
         self._keys: dict[tuple[int, bool], tuple[GraphKey, ...]] = {}
 
     def keys(self, bucket: int, sampled: bool = False) -> tuple[GraphKey, ...]:
-        """The units a chunk at ``bucket`` runs, in order."""
         keys = self._keys.get((bucket, sampled))
         if keys is None:
             keys = self._keys[bucket, sampled] = tuple(
@@ -148,26 +123,23 @@ class ChunkRunner:
         self.slots.staged(0, None)  # capture staged padding
 
     def plan(self, n: int) -> list[tuple[slice, int]]:
-        """Each chunk's (requests, bucket) for a round of n requests; a split is counted."""
+        """``plan_chunks`` over the buckets (nothing captured: one chunk); counts a split."""
         plan = plan_chunks(n, self.buckets if self.graphs.graphs else ())
         self.counters.bucket_splits += int(len(plan) > 1)
         return plan
 
     def fits_one(self, n: int) -> bool:
-        """Whether a round of n requests is one chunk."""
         return len(plan_chunks(n, self.buckets if self.graphs.graphs else ())) == 1
 
     def run(self, slots: list[int], lengths: list[int], bucket: int, read: bool = True,
             sampled: bool = False) -> ChunkResult | None:
-        """One chunk at committed ``slots`` and ``lengths``: its next state lands in the
-        other copies and nothing is committed, so a raise leaves every request as it was.
-        ``read`` False (tensor-parallel followers): nothing is read back."""
+        """Nothing is committed, so a raise leaves every request as it was. ``read``
+        False (tensor-parallel followers): no readback."""
         pending = self.launch(slots, lengths, bucket, read, sampled)
         return self.finish(pending) if read else None
 
     def launch(self, slots: list[int], lengths: list[int], bucket: int, read: bool = True,
                sampled: bool = False) -> PendingChunk | None:
-        """``run``'s first half: stage, run every unit, start the readback copy."""
         obs = self.observer
         start = time.perf_counter() if obs else 0.0
         b, c = len(slots), self.counters
@@ -199,7 +171,6 @@ class ChunkRunner:
         return pending
 
     def finish(self, pending: PendingChunk) -> ChunkResult:
-        """Wait for a launched chunk's readback -> what it decided."""
         obs = self.observer
         start = time.perf_counter() if obs else 0.0
         host = self._host.finish_read(pending.read)  # [b * readout width] flat

@@ -1,23 +1,7 @@
-"""The round's driver: run every running request's decode round and commit it.
-
-``RoundDriver`` (``SpecEngine.rounds``) owns one round's launch, read and commit; the
-``Scheduler`` owns the requests, their commit and failure, the ``Prefiller`` the prefill.
-
-Two ways to drive a round:
-
-- **in step** (split rounds, or ``graph.overlap`` off): launch every chunk, read each
-  back, commit. The host's outputs are the truth; a round writes the next state into
-  the other copy, and a request flips to it only after its readback succeeded.
-- **overlapped** (fused rounds with ``graph.overlap`` on): a step launches round k of
-  the running requests from their device-side state (the fused round moved it) and
-  only then reads round k-1's tokens, so the host's read and commit of k-1 run while
-  k is queued. A request that finished in k-1 (a stop token or its length) is in
-  round k already: that extra round's tokens are dropped and its row is released
-  when k is read; they are never emitted and touch only the request's own row. The
-  extra round writes up to N positions past the request's end, which admission
-  reserves (``lookahead``). A batch larger than the largest bucket, or an empty one,
-  first drains the round in flight and then runs in step.
-"""
+"""The round's driver: run and commit every running request's round, in step or
+overlapped (docs/architecture.md). Overlapped, a finished request's extra round is
+dropped when read: never emitted, it touches only its own row, up to N positions past
+its end (``lookahead``). A split or empty batch drains the round in flight first."""
 
 from __future__ import annotations
 
@@ -33,14 +17,11 @@ from .stats import SpecStats
 
 
 def samples(reqs: list[Request]) -> bool:
-    """Whether a chunk runs the sampling variants: one of its requests samples."""
     return any(not r.sampling.greedy for r in reqs)
 
 
 class RoundDriver:
-    """Runs the running requests' rounds as ``chunks`` and commits them through
-    ``scheduler``; on a tensor-parallel group ``tp`` it first tells the other ranks
-    (engine ``engine_id``). ``overlap``: graph.overlap on."""
+    """Launch, read and commit of the rounds; the ``Scheduler`` owns the requests."""
 
     def __init__(self, chunks: ChunkRunner, stats: SpecStats, scheduler: Scheduler,
                  tp: TPGroup, engine_id: int, overlap: bool):
@@ -48,14 +29,12 @@ class RoundDriver:
         self.slots = chunks.slots
         self.tp, self.engine_id, self.overlap = tp, engine_id, overlap
         self.num_steps = chunks.round.num_steps
-        # rounds launched and not yet read, oldest first (at most two: the one being read
-        # and the one just launched); one stays here until its readback succeeded, so an
-        # interrupt during a read loses nothing: the next step reads it again
+        # rounds launched and not yet read, oldest first (at most two); one stays here
+        # until its readback succeeded, so an interrupt during a read loses nothing
         self.inflight: collections.deque = collections.deque()
 
     @torch.no_grad()
     def run(self) -> None:
-        """One round of every running request (and the read of the one in flight)."""
         if self.sched.broken:  # its requests failed with the group
             return self.inflight.clear()
         while len(self.inflight) > 1:  # a read an interrupt cut short: finish it first
@@ -65,7 +44,7 @@ class RoundDriver:
             return self._round_in_step(live)
         if not live or not self.chunks.fits_one(len(live)):
             # nothing to launch, or a split round: no overlap this time
-            self._drain()  # (which may finish some)
+            self._drain()
             live = [r for r in self.sched.running.values() if not r.finished]
             return self._round_in_step(live) if live else None
         (_, bucket), = self.chunks.plan(len(live))
@@ -105,7 +84,6 @@ class RoundDriver:
             self.inflight.clear()
 
     def _drain(self) -> None:
-        """Read and commit every round in flight."""
         while self.inflight:
             self._finish_oldest()
 
@@ -130,7 +108,6 @@ class RoundDriver:
         self._commit_round([chunk[i] for i in keep], res.rows(keep), held)
 
     def _round_in_step(self, active: list[Request]) -> None:
-        """Run every chunk, then commit the ones that read back (host only)."""
         slots, lengths = self._announce(active)
         if slots is None:
             return
@@ -151,8 +128,7 @@ class RoundDriver:
             self._commit_round(chunk, res, set())
 
     def _commit_round(self, chunk: list[Request], res: ChunkResult, held: set[int]) -> None:
-        """Count and commit one chunk's round; a request in ``held`` (by id: it is in
-        the round in flight) keeps its row when it finishes, until that round is read."""
+        """A request in ``held`` (the round in flight) keeps its row until that is read."""
         if not chunk:
             return
         s, st, b = self.num_steps, self.stats, len(chunk)

@@ -1,29 +1,6 @@
-"""The EAGLE step functions (topk 1): the math of a round's phases and of prefill.
-
-Notation: B requests, committed length ``L`` (target KV exists for positions
-< L), the bonus token at position L (confirmed, its KV not yet computed),
-S = num_steps, N = S + 1. Every decode-time phase is a function of device
-tensors with static shapes (B, N, S fixed): no host sync, no allocation that
-depends on data, so each can be captured as a graph as it stands.
-
-- ``rollout``: candidate 1 exists; S - 1 NextN decode forwards make 2..S, each
-  consuming the previous candidate and the draft's own ``pre_hc_head``.
-- ``verify``: the window ``[bonus, d1..dS]`` at positions L..L+S, one target
-  forward over B*N rows.
-- ``accept``: greedy chain acceptance -> ``accept_lens`` in [1, N].
-  Sampling rounds use ``sampling.speculative_accept`` instead (rejection sampling).
-- ``draft_extend``: one NextN forward over the fixed B*N window (row j: the
-  target's prediction after verify row j, with verify hidden j);
-  ``select_index = arange(B)*N + accept_lens - 1`` picks candidate 1 and the
-  seed. Rows past the accepted length write draft KV that the next round
-  overwrites before reading.
-
-Sampling: given ``params`` (``RowParams``: the batch's temperatures, top-k, top-p
-and seeds), every token is drawn from its row's filtered distribution with a
-keyed uniform (round base L, offset j of the drawn position L + j, stream), and the
-draft returns the q it drew each candidate from. Greedy rows (temperature 0) get
-one-hot distributions, so they draw exactly the argmax the greedy path takes.
-"""
+"""The EAGLE step functions (topk 1). B requests at committed length L (the bonus at L
+has no KV yet), S = num_steps, N = S + 1. Decode-time phases have static shapes, no
+host sync and no data-dependent allocation, so each can be captured as it stands."""
 
 from __future__ import annotations
 
@@ -35,12 +12,15 @@ import torch
 from ..memory.batch import Chunk, ForwardBatch
 from ..memory.pool import KVPool
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
+from ..labels import ACCEPT_SAMPLING, BOOKKEEPING, labelled
 from ..sampling import DRAFT, RowParams, draw
+
+profile_label = ACCEPT_SAMPLING  # argmax, acceptance, select_index (labels.py)
 
 
 @dataclass
 class SpecModels:
-    """The target, the draft and their pools (same request-row numbering)."""
+    """The pools share the request-row numbering."""
 
     target: DeepseekV4ForCausalLM
     draft: DeepseekV4ForCausalLMNextN
@@ -48,6 +28,7 @@ class SpecModels:
     draft_pool: KVPool
 
 
+@labelled(BOOKKEEPING)
 def window_batch(tokens: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> ForwardBatch:
     """tokens: [B, W] at positions start..start+W-1 of request rows [B] -> B*W rows."""
     b, w = tokens.shape
@@ -80,9 +61,8 @@ def rollout(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, cand1: tor
 
 def verify(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor,
            draft_tokens: torch.Tensor, params: RowParams | None = None, process=None):
-    """-> (target predictions [B, N], or with ``params`` the filtered target
-    distributions p [B, N, V]; verify hidden [B*N, hc*H]; the raw logits [B, N, V] fp32).
-    ``process``: the penalties, logits [B, N, V] -> [B, N, V], before the pick."""
+    """-> (predictions [B, N], or with ``params`` p [B, N, V]; hidden [B*N, hc*H]; raw
+    logits [B, N, V] fp32). ``process``: the penalties, applied before the pick."""
     window = torch.cat((bonus.unsqueeze(1), draft_tokens), dim=1)  # [B, N]
     out = m.target(window_batch(window, rows, lengths), m.target_pool)
     raw = logits = out.logits.view(*window.shape, -1)  # [B, N, V]
@@ -93,10 +73,8 @@ def verify(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, bonus: torc
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
-    """The raw log-softmax at the committed tokens: logits [..., V] fp32, tokens [...] ->
-    (logprobs [..., 1+k]: the token's, then the k most likely ones'; their ids [..., k]).
-    One logsumexp and one top-k, no [..., V] output: the greedy token's logprob and the
-    top-1's are the same float (the same logit minus the same normaliser)."""
+    """logits [..., V] fp32, tokens [...] -> (raw logprobs [..., 1+k]: the token's, then
+    the top k's; ids [..., k]). The greedy token's and the top-1's are the same float."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
     top = logits.topk(k, dim=-1)  # sorted: most likely first
     chosen = logits.gather(-1, tokens.unsqueeze(-1))  # [..., 1]
@@ -104,8 +82,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
 
 
 def accept(draft_tokens: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
-    """Greedy chain: accept_lens = 1 + leading matches [B] (the round commits
-    preds[:a], so the new bonus is preds[a - 1])."""
+    """-> accept_lens [B] = 1 + leading matches (the new bonus is preds[a - 1])."""
     s = draft_tokens.shape[1]
     matches = (draft_tokens == preds[:, :s]).long().cumprod(dim=1)  # [B, S]
     return 1 + matches.sum(dim=1)
@@ -114,8 +91,8 @@ def accept(draft_tokens: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
 def draft_extend(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, preds: torch.Tensor,
                  hidden: torch.Tensor, accept_lens: torch.Tensor,
                  params: RowParams | None = None):
-    """Window rows at L..L+N-1 -> (candidate 1 [B], draft hidden seed [B, hc*H], and
-    with ``params`` the q [B, V] candidate 1 was drawn from, else None)."""
+    """-> (candidate 1 [B], seed [B, hc*H], q1 [B, V] or None). Rows past the accepted
+    length write draft KV that the next round overwrites before reading."""
     b, n = preds.shape
     out = m.draft(window_batch(preds, rows, lengths), hidden, m.draft_pool)
     select_index = torch.arange(b, device=preds.device) * n + accept_lens - 1  # [B]
@@ -124,8 +101,7 @@ def draft_extend(m: SpecModels, rows: torch.Tensor, lengths: torch.Tensor, preds
 
 
 def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tensor):
-    """Candidate 1 of the round at committed length ``base`` [B] (position base + 1):
-    the draft's argmax, or a draw from its q -> (tokens [B], q [B, V] or None)."""
+    """Candidate 1 (position base + 1) -> (tokens [B], q [B, V] or None)."""
     if params is None:
         return logits.argmax(dim=-1), None
     q1 = params.probs(logits)
@@ -135,24 +111,10 @@ def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tenso
 def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
             with_draft: bool = True, params: RowParams | None = None,
             lp_rows: torch.Tensor | None = None, lp_k: int = 0, process=None):
-    """Eager, variable length: target over prompt chunks, then draft extend for them.
-
-    Chunk c holds prompt positions ``start .. start+len-1`` of its row (KV of the
-    positions before ``start`` is in the pools: chunked prefill). NextN row p pairs
-    token p+1 with target hidden p: the chunk's own next token, and at its last row
-    ``nexts[c]``, the prompt's next token for a chunk that ends before the prompt
-    does, or None for a final chunk, whose last row pairs the bonus with the last
-    hidden. So a chunk's draft extend needs nothing from later chunks.
-    -> for the final chunks, in order (F of them): (bonus [F], candidate 1 [F],
-    seed [F, hc*H], q of candidate 1 [F, V] or None); without the draft (plain
-    decoding) candidate 1 and the seed are zeros. ``params``: the final chunks'
-    (None: greedy); the bonus (position P, a round based at P - 1) and candidate 1
-    (the first round's, based at P) are drawn. ``lp_rows`` [R] (rows of the batch):
-    also the raw logprobs of each such row's next token (the prompt's, or the bonus at a
-    final chunk's last row) and its ``lp_k`` most likely (``token_logprobs``), returned
-    last (else None). ``process``: the penalties of the final chunks' first tokens,
-    logits [F, V] -> [F, V].
-    """
+    """A chunk's last NextN row takes ``nexts[c]`` (the prompt's next token) or, for a
+    final chunk (None), the bonus, so it needs nothing from later chunks. -> for the F
+    final chunks: (bonus [F], cand1 [F], seed [F, hc*H], q1 [F, V] or None, logprobs of
+    ``lp_rows`` or None). The bonus is keyed as a round based at P - 1, cand1 at P."""
     batch = ForwardBatch.from_chunks(chunks, device)
     out = m.target(batch, m.target_pool)
     ends = [len(c.tokens) for c in chunks]

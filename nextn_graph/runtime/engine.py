@@ -1,27 +1,6 @@
-"""The embeddable engine: requests join and leave between rounds.
-
-``add_request`` queues a request; ``step`` admits what the pool can hold and
-prefills up to ``scheduler.prefill_token_budget`` prompt tokens (prefill + draft
-extend for prefill, eager; a longer prompt goes in chunks over several steps, see
-``runtime/prefill.py``), then runs one speculative round for every running request
-and returns each request's newly committed tokens. A finished request's pool row goes
-back at once. Per-request device state lives in tables indexed by pool row, so a round
-gathers it with one index tensor and the only host sync of a round is reading the
-accepted tokens back. The engine is a facade over three parts, each given what it
-needs: the ``Scheduler`` (``runtime/scheduler.py``: queues, admission, commit and
-failure, host only), the ``Prefiller`` (``runtime/prefill.py``) and the
-``RoundDriver`` (``runtime/driver.py``).
-
-A step is all-or-nothing per request. The host's outputs are the source of
-truth; a round writes each request's next device state into a second copy
-(``RequestState``) that counts only once the host committed it. A fault (an
-exception from a kernel, out of memory, a bug) in a unit of work (the step's
-prefill of its prompt chunks, or one bucket-sized chunk of the round) fails
-exactly that unit's requests, each with its error and its row released; every
-other request is committed or untouched. An interrupt (``KeyboardInterrupt``)
-commits nothing of the round, puts requests being prefilled in it back at the head of
-the queue (their prefill starts over) and propagates; outputs made before it are
-delivered by the next step.
+"""The embeddable engine: requests join and leave between rounds. A fault in a unit of
+work (the step's prefill, or one chunk of a round) fails exactly that unit's requests;
+an interrupt commits nothing of the round and propagates.
 """
 
 from __future__ import annotations
@@ -59,10 +38,6 @@ from .stats import SpecStats
 
 
 class SpecEngine:
-    """The public facade: a ``Scheduler`` (requests, commit and failure, host only), a
-    ``Prefiller`` (admission's prefill) and a ``RoundDriver`` (the decode rounds) over
-    one ``ChunkRunner`` and its graph cache (``GraphRunner``)."""
-
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                  spec: SpeculativeConfig | None, pool: PoolConfig,
                  graph: GraphConfig | None = None,
@@ -70,21 +45,12 @@ class SpecEngine:
                  progress: bool = False, scheduler: SchedulerConfig | None = None,
                  kernels: str | None = None):
         """Start-up in a fixed order: pools, static state and buffers, then capture.
-
-        ``spec`` None decodes plainly (no draft: one target row per request and
-        round), over the same buffers and graphs, for like-for-like comparisons.
-        ``graph`` None runs eagerly; otherwise its backend (or ``backend``, an
-        already-built one, e.g. the NPU adapter over a fake namespace) captures the
-        phases of every bucket before the first request. ``scheduler`` None: an
-        unlimited prefill budget (every admitted prompt prefilled whole). ``kernels``:
-        ``auto`` | ``reference`` | ``triton`` gives both models that kernel set for their
-        device before capture (``kernels/select.py``); None keeps the set they were loaded
-        with (``load_checkpoint(..., kernels=)``).
-        """
+        ``spec`` None decodes plainly (no draft) over the same buffers and graphs;
+        ``graph`` None runs eagerly; ``backend``: a prebuilt one (e.g. NPU over a fake
+        namespace); ``kernels`` None keeps the set the models were loaded with."""
         # Configs built in code are checked as strictly as those read from YAML.
         where = "SpecEngine"
-        # rank 0 alone schedules (the other ranks follow its chunks): checked before
-        # the other ranks are told to build
+        # rank 0 alone schedules: checked before the other ranks are told to build
         sched_cfg = check_section(scheduler or SchedulerConfig(), where, "scheduler.")
         check_scheduler(sched_cfg, where)
         self.tp: TPGroup = target.tp
@@ -152,26 +118,18 @@ class SpecEngine:
 
     @classmethod
     def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":
-        """Load the config's checkpoint on its device and dtype, build and capture."""
         models = load_checkpoint(cfg.checkpoint, cfg.torch_dtype, cfg.device, cfg.weights,
                                  kernels=cfg.kernels)
         return cls(models.target, models.draft, cfg.speculative, cfg.pool, cfg.graph,
                    progress=progress, scheduler=cfg.scheduler)
 
-    # -- requests --------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
                     stop_ids: Iterable[int] | None = None,
                     sampling: SamplingParams | dict | None = None,
                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
         """Queue a request; a bad one raises here and touches no other request.
-
-        ``sampling``: None decodes greedily; a ``SamplingParams`` (or a dict of its
-        fields) samples with its temperature, top_p, top_k and seed (None: a fresh one).
-        ``logprobs`` k: each output token's ``StepOutput.logprobs`` entry (the target's
-        raw log-softmax, from the verify pass and the prefill) with its k most likely
-        tokens; ``prompt_logprobs`` k: the prompt's, on the first output. k is at most
-        ``max_logprobs`` (graph.logprobs); None: off.
-        """
+        ``logprobs`` / ``prompt_logprobs`` k (at most graph.logprobs): each output /
+        prompt token's raw target logprob and its k most likely; None: off."""
         if self.scheduler.broken:
             raise ParallelError(f"tensor parallelism: this engine's group failed "
                                 f"({self.scheduler.broken}); it takes no more requests")
@@ -183,17 +141,12 @@ class SpecEngine:
 
     @property
     def request_limits(self) -> RequestLimits:
-        """What this engine takes of a request (``runtime/request_checks.py``)."""
         return RequestLimits(self.cfg, self.max_context, self.lookahead, self.max_logprobs,
                              self.samples, self.penalizes)
 
     def abort(self, rid: int) -> bool:
-        """Drop a request (a client went away): its row returns to the pool at once.
-
-        Returns False when ``rid`` is unknown or already finished. Other requests
-        are untouched: their state lives in their own rows. After it returns,
-        ``step()`` returns nothing more for ``rid``.
-        """
+        """Drop a request: its row returns to the pool at once and ``step()`` returns
+        nothing more for it. False when ``rid`` is unknown or already finished."""
         return self.scheduler.abort(rid)
 
     @property
@@ -212,7 +165,7 @@ class SpecEngine:
         return self.scheduler.num_waiting
 
     def step(self) -> list[StepOutput]:
-        """Admit, run one round, and return every output made since the last return."""
+        """Every output made since the last return (an interrupted step's included)."""
         sched = self.scheduler
         if sched.broken and not sched.outbox:  # its failures were returned already
             raise ParallelError(f"tensor parallelism: this engine's group failed "
@@ -226,18 +179,11 @@ class SpecEngine:
         self.stats.round_s += time.perf_counter() - mid
         return sched.take_outputs()
 
-    # -- convenience -----------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  stop_ids: Iterable[int] | None = None,
                  sampling: object = None) -> GenerateResult:
-        """Run a batch to completion on an idle engine; outputs in prompt order.
-
-        ``sampling``: None (greedy), one setting for every prompt (``SamplingParams`` or
-        a dict), or a list with one per prompt.
-
-        Raises ``RequestFailed`` (with the partial result) when a fault failed
-        any request; the others ran to completion.
-        """
+        """Run a batch to completion on an idle engine; outputs in prompt order. Raises
+        ``RequestFailed`` (with the partial result) when a fault failed any request."""
         if self.has_work:
             raise InputError(f"generate() runs a batch on an idle engine; this one has "
                              f"{self.scheduler.num_in_flight} requests in flight "

@@ -1,15 +1,7 @@
-"""Decoding without speculation: the oracle (full recompute) and plain cached.
-
-``reference_generate`` recomputes the whole sequence for every token with no
-cache at all; it is the ground truth every other mode must equal token for
-token. ``plain_generate`` batches all requests against the KV pool: one prefill
-forward, then one forward per step with one row per active request.
-
-Both decode greedily, or sample (``sampling``) with the same keyed uniforms as
-the engine's plain rounds: the token at position x is drawn from the filtered
-target distribution with the uniform of (seed, x - 1, 1, TARGET), so a seeded
-request gives the same tokens here and in a plain engine, eager or in graphs.
-"""
+"""Decoding without speculation: the oracle (full recompute, no cache: the ground truth
+every mode must equal token for token) and plain cached. Both sample with the engine's
+plain-round keys (the token at position x: uniform of (seed, x - 1, 1, TARGET)), so a
+seeded request gives the same tokens here and in a plain engine."""
 
 from __future__ import annotations
 
@@ -41,9 +33,8 @@ def _finished(out: list[int], stop_ids: frozenset[int], max_new_tokens: int) -> 
 
 def _sampler(logits: torch.Tensor, params: list[SamplingParams], base: list[int],
              prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
-    """logits [B, V] of the next token of B requests at committed lengths ``base``, after
-    ``prompts[i] + outputs[i]`` -> each request's token: its argmax (greedy) or its keyed
-    draw, after its penalties."""
+    """logits [B, V] of the next token at committed lengths ``base`` -> each request's
+    token after its penalties: argmax (greedy) or keyed draw."""
     logits = penalize(logits, params, prompts, outputs)
     if all(p.greedy for p in params):
         return logits.argmax(-1).tolist()
@@ -53,7 +44,6 @@ def _sampler(logits: torch.Tensor, params: list[SamplingParams], base: list[int]
 
 def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
              stop_ids: Collection[int] | None, max_context: int | None, mode: str):
-    """Defaults resolved once: context from the model, stop at EOS unless told."""
     cfg = target.cfg
     if max_context is None:
         max_context = cfg.max_position_embeddings
@@ -66,7 +56,6 @@ def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
 
 
 def _params(sampling: object, n: int, stop_ids: frozenset[int]) -> list[SamplingParams]:
-    """One setting per prompt, with the stop ids min_tokens holds back (as the engine)."""
     return [with_bans(p, stop_ids, f"request {i}")
             for i, p in enumerate(sampling_per_prompt(sampling, n))]
 
@@ -97,7 +86,6 @@ def reference_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence
 def plain_generate(target: DeepseekV4ForCausalLM, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, stop_ids: Collection[int] | None = None,
                    max_context: int | None = None, sampling: object = None) -> GenerateResult:
-    """``sampling`` as ``reference_generate``'s."""
     prompts, stop_ids, max_context, max_new_tokens = _prepare(
         target, prompts, max_new_tokens, stop_ids, max_context, "plain_generate")
     params = _params(sampling, len(prompts), stop_ids)

@@ -1,10 +1,5 @@
-"""The draft's oracle: the candidates a round should propose, by full recompute.
-
-No cache anywhere: the target's hidden states come from ``target.reference``
-over the committed history, then the NextN chain is recomputed over the whole
-sequence for every candidate (row p pairs token p+1 with hidden p; past the
-bonus, each candidate pairs with the draft's own hidden of the row before).
-"""
+"""The draft's oracle: the candidates a round should propose, by full recompute (no
+cache; past the bonus each candidate pairs with the draft's own hidden of the row before)."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 @torch.no_grad()
 def reference_candidates(target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                          committed: Sequence[int], bonus: int, num_steps: int) -> list[int]:
-    """committed: tokens at positions 0..L-1 (target KV exists); bonus at L -> S candidates."""
+    """committed: positions 0..L-1; bonus at L -> S candidates."""
     device = target.embed.weight.device
     hidden = target.reference(torch.tensor(list(committed), device=device)).hidden  # [L, hc*H]
     tokens = list(committed[1:]) + [bonus]  # row p: token p+1

@@ -1,19 +1,8 @@
-"""What the penalties read on the device (graph.penalties): each request's parameters and
-its token history as counts, by pool row, allocated once (static addresses).
-
-A verify row j of the window ``[bonus, d1..dS]`` predicts position L + 1 + j after the
-committed output and the drafts d1..dj, so its counts are the row's committed counts
-plus those drafts (``logits``): exactly what decoding one token at a time would see if
-the drafts were accepted, which keeps greedy acceptance exact and rejection sampling
-lossless against the penalised target.
-
-Counted once, and only once committed: a round writes the tokens it commits into the
-state copy it writes (``stage``: ``pending`` by slot, like ``RequestState``), and the
-next round, reading that copy once the host flipped to it (or the fused round did),
-first adds them to the counts (``catch_up``) for the positions not counted yet. A round
-that failed or was cut short by an interrupt staged into a copy nobody reads; a round
-run again (the same committed copy) adds nothing twice (``counted``), and never reads
-counts of its own tokens. A failed request's row is reset at its next admission.
+"""What the penalties read on the device (graph.penalties), by pool row, allocated once.
+Verify row j counts the committed tokens plus drafts d1..dj, as one-at-a-time decoding
+would, so acceptance stays exact against the penalised target. A round stages what it
+commits into the copy it writes (``pending``); the next round reading that copy counts
+it, each position once (``counted``), so a failed round's tokens are never counted.
 """
 
 from __future__ import annotations
@@ -57,9 +46,8 @@ class PenaltyTables:
             torch.zeros(rows, vocab, **f32), torch.zeros(rows, **long),
             torch.zeros(2 * rows, width, **long), torch.zeros(2 * rows, **long))
 
-    # -- admission (eager, at prefill) --------------------------------------------------
     def mark_prompt(self, chunks: list[Chunk]) -> None:
-        """Every prefill chunk: its tokens are the prompt's (a first chunk resets the row)."""
+        """The chunks' tokens are the prompt's; a first chunk resets the row."""
         dev = self.seen.device
         first = [c.req_index for c in chunks if c.start == 0]
         if first:
@@ -69,7 +57,7 @@ class PenaltyTables:
         self.seen[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = True
 
     def admit(self, rows: list[int], params: list[SamplingParams], lengths: list[int]) -> None:
-        """Final chunks: the rows' parameters, no output counted yet (``lengths``: P)."""
+        """The final chunks' parameters, no output counted yet (``lengths``: P)."""
         dev = self.counts.device
         r = torch.tensor(rows, device=dev)
         m, mb = self.bias.shape[1], self.ban_ids.shape[1]
@@ -89,7 +77,6 @@ class PenaltyTables:
         self.counts[r] = 0
         self.counted[r] = torch.tensor(lengths, device=dev)  # P: the output starts there
 
-    # -- inside a round (static shapes, no host sync) ----------------------------------
     def logits(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
                drafts: torch.Tensor) -> torch.Tensor:
         """logits [B, W, V] of rows [B] at committed lengths L [B] (row j predicts position
@@ -109,8 +96,7 @@ class PenaltyTables:
 
     def catch_up(self, rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> None:
         """Before a round of rows [B] at committed slots [B], lengths L [B]: count the
-        tokens the copy's last round committed (``pending``), those at positions not
-        counted yet (none twice; padding rows, row 0, add nothing)."""
+        ``pending`` tokens not counted yet (none twice; padding row 0 adds nothing)."""
         tokens, n = self.pending[slots], self.pending_n[slots]  # [B, N], [B]
         w = tokens.shape[1]
         j = torch.arange(w, device=tokens.device)
@@ -124,7 +110,6 @@ class PenaltyTables:
         self.counted.index_put_((rows,), torch.maximum(counted, lengths + 1))
 
     def stage(self, slots: torch.Tensor, tokens: torch.Tensor, accept_lens: torch.Tensor) -> None:
-        """A round's commit into the copies ``slots`` [B] it writes: tokens [B, W], the
-        first accept_lens [B] of them committed (the next round counts them)."""
+        """tokens [B, W] into the copies ``slots`` [B] a round writes; accept_lens [B] commit."""
         self.pending[:, :tokens.shape[1]].index_put_((slots,), tokens)
         self.pending_n.index_put_((slots,), accept_lens)

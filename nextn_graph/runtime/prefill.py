@@ -1,33 +1,7 @@
-"""Admission and prefill under a per-step token budget (chunked prefill).
-
-The ``Prefiller`` (``SpecEngine.prefill``) runs the chunks the ``Scheduler`` plans
-(``Scheduler.plan_prefill``: admission and the budget); the ``RoundDriver`` the rounds.
-
-Each step, before the round, spends at most ``scheduler.prefill_token_budget``
-prompt tokens, first come first served: first the requests already being prefilled
-(they hold pool rows), in arrival order, then waiting requests while rows and budget
-last. A request whose prompt does not fit what is left is prefilled in chunks over
-several steps; it joins the rounds after its final chunk, which makes the bonus and
-candidate 1 as a whole-prompt prefill does. All of a step's chunks are one eager
-forward of the target and one of the draft (a unit of work): chunk ``[a, b)`` of a
-row runs at positions a..b-1 and reads the positions before a from the pools, as a
-verify window does. Budget 0 is unlimited: every admitted prompt is one final chunk.
-
-Why a chunk is exact: its SWA and compressor rings keep the last ``window + N - 1``
-and ``coff*ratio + N - 1`` positions of the chunk before it, and a row at position
-p >= a reads at most ``window - 1`` and ``coff*ratio - 1`` positions back; compressed
-entries and indexer keys of blocks finished before a are in the entry pools. NextN
-row p pairs token p+1 with target hidden p, and for a chunk that stops inside its
-prompt token b is the prompt's own, so nothing waits for a later chunk.
-
-Faults: a fault in a step's prefill fails exactly the requests that had a chunk in
-it (rows released). An interrupt puts them back at the head of the queue, rows
-released and progress dropped (``prefilled`` 0): a chunk cut short may have written
-its ring slots already, which hold positions before ``a`` that a rerun from ``a``
-would read (its writes wrap onto them once it is longer than N), so a request starts
-its prefill over instead of resuming it. A request's progress only moves once its
-chunk's forward (and, for a final chunk, the bonus's readback) succeeded.
-"""
+"""Chunked prefill under a per-step token budget: a step's chunks are one eager forward
+of the target and one of the draft; chunk [a, b) reads positions before a from the
+pools, as a verify window does. An interrupt requeues the step's requests from scratch:
+a chunk cut short may have overwritten ring slots that a rerun from a would read."""
 
 from __future__ import annotations
 
@@ -49,10 +23,8 @@ from .stats import SpecStats
 
 
 class Prefiller:
-    """Prefills what ``scheduler`` plans each step into the pools (``models``) and the
-    rows' state copy 0, then hands the final chunks' requests back to it to run. On a
-    tensor-parallel group ``tp`` it first tells the other ranks (engine ``engine_id``).
-    ``sampling``: the engine's sampling tables (None: greedy only); ``penalties``: the penalty tables (graph.penalties), filled at admission."""
+    """Prefills what ``scheduler`` plans into the pools and the rows' state copy 0, then
+    hands the final chunks' requests back to it to run."""
 
     def __init__(self, models: SpecModels, state: RequestState, sampling: SamplingTables | None,
                  stats: SpecStats, scheduler: Scheduler, tp: TPGroup, engine_id: int,
@@ -65,7 +37,6 @@ class Prefiller:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Admit, then prefill the step's chunks: one unit of work."""
         plan = self.sched.plan_prefill()
         if not plan:
             return
@@ -86,8 +57,7 @@ class Prefiller:
         self.sched.prefilled(plan, bonus, logprobs)
 
     def _prefill(self, plan: list[tuple[Request, int]]):
-        """One step's chunks into the rows' copy 0 -> (the final chunks' bonus tokens, the
-        logprobs of the requests that asked, by rid; host)."""
+        """-> (the final chunks' bonus tokens, logprobs by rid; host)."""
         chunks = [Chunk(r.row, r.prefilled, r.prompt[r.prefilled:end]) for r, end in plan]
         nexts = [r.prompt[end] if end < len(r.prompt) else None for r, end in plan]
         params = [r.sampling for r, end in plan if end == len(r.prompt)]
@@ -129,9 +99,8 @@ class Prefiller:
     def run_chunks(self, chunks: list[Chunk], nexts: list[int | None],
                    params: list[SamplingParams], lp_rows: torch.Tensor | None = None,
                    lp_k: int = 0):
-        """Every rank's part of a step's prefill: -> (the final chunks' bonus tokens [F]
-        (on the device), the logprobs of ``lp_rows`` or None: ``eagle.prefill``).
-        ``params``: the final chunks' (``nexts`` None), in order."""
+        """Every rank's part of a step's prefill -> (the final chunks' bonus [F], on the
+        device; logprobs of ``lp_rows`` or None). ``params``: the final chunks'."""
         row_params = (RowParams.of(params, self.device) if any(not p.greedy for p in params)
                       else None)
         final = [c for c, n in zip(chunks, nexts) if n is None]
@@ -166,9 +135,8 @@ class Prefiller:
 
 
 def logprob_rows(plan: list[tuple[Request, int]]) -> tuple[dict[int, list[int]], int]:
-    """The prefill batch's rows whose logprobs the plan's requests asked for, by rid (a
-    request's chunk rows for prompt logprobs, else a final chunk's last row for its
-    bonus), and the most top logprobs any asked."""
+    """-> (batch rows whose logprobs were asked, by rid: all chunk rows for prompt
+    logprobs, else a final chunk's last row; the largest k asked)."""
     rows, k, at = {}, 0, 0
     for req, end in plan:
         n, final = end - req.prefilled, end == len(req.prompt)

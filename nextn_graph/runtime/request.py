@@ -1,9 +1,4 @@
-"""A request's host-side record, and what a step returns for it.
-
-The host's record is the source of truth: ``output`` holds every committed token,
-so the committed length and the bonus token follow from it; the device state of
-the request lives in its pool row's committed copy (``copy``).
-"""
+"""A request's host-side record, the source of truth, and what a step returns for it."""
 
 from __future__ import annotations
 
@@ -43,9 +38,7 @@ class Request:
     sampling: SamplingParams = GREEDY  # checked and resolved (a seed chosen)
     output: list[int] = field(default_factory=list)
     row: int = 0  # pool request row once admitted (0 = not yet)
-    # prompt positions whose KV the pools hold: grows chunk by chunk while the request
-    # is prefilled (only after a chunk's forward succeeded), the prompt's length after
-    prefilled: int = 0
+    prefilled: int = 0  # prompt positions in the pools (moves once a chunk's forward succeeded)
     copy: int = 0  # which of the row's two state copies holds the committed state
     finished: bool = False
     logprobs: int | None = None  # k: each output token's logprob and its k top (None: off)
@@ -59,7 +52,6 @@ class Request:
         return len(self.prompt) + len(self.output) - 1
 
     def emit(self, tokens: Iterable[int]) -> list[int]:
-        """Append tokens up to a stop token or max_new_tokens; return what was kept."""
         kept = []
         for tok in tokens:
             kept.append(tok)
@@ -77,11 +69,7 @@ class StepOutput:
     finished: bool
     draft_tokens: list[int]  # the candidates proposed this round (empty at prefill)
     error: str | None = None  # set when a fault failed the request (finished too)
-    # drafts the target confirmed in this round (accept_len - 1, before stop and length
-    # cuts); None for a prefill's output or a failure
-    accepted: int | None = None
-    # one per new token, when the request asked for logprobs
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    # on the request's first output, when it asked for prompt logprobs: one per prompt
-    # token, None for the first (nothing predicts it)
+    accepted: int | None = None  # accept_len - 1, before cuts; None at prefill or failure
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, if asked
+    # first output only, if asked: one per prompt token, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -1,12 +1,6 @@
-"""A new request's checks: ``NewRequest`` (what ``SpecEngine.add_request`` is given)
--> its validated values, against the ``RequestLimits`` of an engine.
-
-Every refusal is an ``InputError`` whose message names the request (``where``) and the
-bad value, and whose ``field`` names the argument at fault (``prompt``,
-``max_new_tokens``, ``stop_ids``, ``logprobs``, ``prompt_logprobs``, or a sampling field
-such as ``top_p``), so a caller maps it without reading the message (the server: to
-the OpenAI parameter). ``output_room`` is the one context rule: the engine's prompt
-check and the server's both use it.
+"""A new request's checks against an engine's ``RequestLimits``. Every refusal is an
+``InputError`` naming the request (``where``) and the bad value, whose ``field`` names
+the argument at fault, so a caller (the server) maps it without reading the message.
 """
 
 from __future__ import annotations
@@ -26,7 +20,6 @@ NEUTRAL = SamplingParams()  # every penalty off
 
 
 def show_typed(value: object) -> str:
-    """``value`` for an error message: its type and a repr cut short."""
     return f"{type(value).__name__} {show_value(value, 60)}"
 
 
@@ -37,8 +30,7 @@ def _is_integer_dtype(dtype: torch.dtype | np.dtype) -> bool:
 
 
 def _as_int(value: object) -> int | None:
-    """An integer scalar (int, numpy integer, 0-d integer tensor) as an int; None for
-    anything else, bools included (``True`` is not token 1)."""
+    """int, numpy integer or 0-d integer tensor -> int; else None (``True`` is not token 1)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, torch.Tensor) and value.dim() == 0 and _is_integer_dtype(value.dtype):
@@ -47,8 +39,6 @@ def _as_int(value: object) -> int | None:
 
 
 def _elements(prompt: object, where: str) -> list:
-    """The prompt's elements: a list, tuple or other sequence, or a 1-D integer tensor
-    or numpy array (converted to ints here)."""
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
         if prompt.ndim != 1 or not _is_integer_dtype(prompt.dtype):
@@ -63,7 +53,6 @@ def _elements(prompt: object, where: str) -> list:
 
 
 def _token_ids(values, cfg: ModelConfig, where: str, what: str, field: str) -> list[int]:
-    """Each value as an int id in [0, vocab); the error names the first bad one."""
     ids = []
     for value in values:
         tok = _as_int(value)
@@ -78,15 +67,13 @@ def _token_ids(values, cfg: ModelConfig, where: str, what: str, field: str) -> l
 
 
 def output_room(prompt_len: int, max_context: int, lookahead: int) -> int:
-    """Tokens a prompt of ``prompt_len`` leaves for output in a context of ``max_context``
-    positions, when verify windows write ``lookahead`` positions past the last output.
-    A request needs at least 1 (its max_new_tokens at most this)."""
+    """The one context rule (the server's check uses it too): verify windows write
+    ``lookahead`` positions past the last output."""
     return max_context - lookahead - prompt_len
 
 
 def validate_max_new_tokens(max_new_tokens: object, where: str) -> int:
-    """An int >= 1; numpy integers and 0-d integer tensors are converted (like token
-    ids), bools and floats are refused."""
+    """Integers as ``_as_int`` takes them; bools and floats are refused."""
     value = _as_int(max_new_tokens)
     if value is None:
         raise InputError(f"{where}: max_new_tokens must be an int of at least 1, got "
@@ -99,15 +86,9 @@ def validate_max_new_tokens(max_new_tokens: object, where: str) -> int:
 
 def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
                     max_new_tokens: int, where: str, lookahead: int = 0) -> list[int]:
-    """Check one request up front; the error names it (``where``) and the bad value.
-
-    ``prompt``: a sequence of int ids, numpy integers or 0-d integer tensors, or a
-    1-D integer tensor / array; returned as a list of int. ``lookahead``: positions
-    written past the output (speculative verify windows). The context is at most
-    ``max_context`` and never past the model's ``max_position_embeddings``. Too long for
-    the context: the ``prompt``'s fault when it leaves no room for any output, else
-    ``max_new_tokens``'s.
-    """
+    """-> the prompt as a list of int. The context is at most ``max_context`` and never
+    past ``max_position_embeddings``; too long for it is the ``prompt``'s fault when it
+    leaves no room for any output, else ``max_new_tokens``'s."""
     max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
     values = _elements(prompt, where)
     if not values:
@@ -126,7 +107,6 @@ def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
 
 def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_context: int,
                      max_new_tokens: int, lookahead: int = 0) -> list[list[int]]:
-    """Check every prompt before any work starts; request i is the i-th prompt."""
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(
             prompts, (Sequence, torch.Tensor, np.ndarray)):
         raise InputError(f"prompts must be a list of prompts, got {show_typed(prompts)}",
@@ -137,9 +117,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_con
 
 def validate_stop_ids(stop_ids: Collection[int] | None, cfg: ModelConfig,
                       where: str) -> frozenset[int]:
-    """A request's stop token ids: None stops at EOS; otherwise a list, tuple, set or
-    frozenset of ids in the vocabulary (numpy integers and 0-d integer tensors are
-    converted to int). The error names the request (``where``) and the bad element."""
+    """None stops at EOS."""
     if stop_ids is None:
         return frozenset({cfg.eos_token_id})
     if not isinstance(stop_ids, (list, tuple, set, frozenset)):
@@ -149,8 +127,7 @@ def validate_stop_ids(stop_ids: Collection[int] | None, cfg: ModelConfig,
 
 
 def validate_logprobs(value: object, limit: int, where: str, name: str) -> int | None:
-    """A request's ``logprobs`` or ``prompt_logprobs`` (``name``, its field): None (off)
-    or k, the top logprobs per token, in [0, limit] (the engine's graph.logprobs)."""
+    """None (off) or k in [0, limit] (graph.logprobs)."""
     if value is None:
         return None
     if limit == 0:
@@ -164,14 +141,11 @@ def validate_logprobs(value: object, limit: int, where: str, name: str) -> int |
 
 
 def penalty_field(params: SamplingParams) -> str | None:
-    """The first penalty field ``params`` sets (off its neutral value); None: none."""
     return next((k for k in PENALTY_KEYS if getattr(params, k) != getattr(NEUTRAL, k)), None)
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What an engine takes of a request."""
-
     cfg: ModelConfig  # vocab_size, eos_token_id (the default stop), max_position_embeddings
     max_context: int  # positions per request (pool.max_context)
     lookahead: int = 0  # positions verify windows write past the last output
@@ -182,7 +156,7 @@ class RequestLimits:
 
 def checked_sampling(sampling: object, stops: frozenset[int], limits: RequestLimits,
                      where: str) -> SamplingParams:
-    """Checked and resolved, with the stop ids min_tokens holds back (``ban_ids``)."""
+    """Resolved, with the stop ids min_tokens holds back (``ban_ids``)."""
     params = with_bans(sampling_params(sampling, where), stops, where)
     if not params.greedy and not limits.samples:
         raise InputError(f"{where}: temperature {params.temperature} samples, but this "
@@ -200,11 +174,6 @@ def checked_sampling(sampling: object, stops: frozenset[int], limits: RequestLim
 
 @dataclass(frozen=True)
 class NewRequest:
-    """One request as ``SpecEngine.add_request`` takes it; ``checked`` gives the same
-    request validated: prompt a list of int ids, max_new_tokens an int, stop_ids a
-    frozenset (EOS when None), sampling a resolved ``SamplingParams`` with its bans,
-    each logprobs k an int or None."""
-
     prompt: object
     max_new_tokens: object
     stop_ids: object = None
@@ -213,8 +182,6 @@ class NewRequest:
     prompt_logprobs: object = None
 
     def checked(self, limits: RequestLimits, where: str) -> "NewRequest":
-        """Validated against ``limits``, or an ``InputError`` naming ``where`` and the
-        field at fault."""
         max_new_tokens = validate_max_new_tokens(self.max_new_tokens, where)
         prompt = validate_prompt(self.prompt, limits.cfg, limits.max_context, max_new_tokens,
                                  where, limits.lookahead)
@@ -229,10 +196,7 @@ class NewRequest:
 def checked_batch(prompts: Sequence[Sequence[int]], max_new_tokens: object,
                   stop_ids: object, sampling: object,
                   limits: RequestLimits) -> list[NewRequest]:
-    """``generate``'s batch, every request checked before any is queued; request i is
-    prompt i. ``sampling``: one setting for all, or a list of one per prompt (seeds
-    resolved here, once). The prompts are checked first, then the stop ids (named
-    ``generate``: they are the batch's), then each request's sampling."""
+    """Every request checked before any is queued; seeds resolved here, once."""
     validate_prompts(prompts, limits.cfg, limits.max_context, max_new_tokens, limits.lookahead)
     validate_stop_ids(stop_ids, limits.cfg, "generate")
     return [NewRequest(p, max_new_tokens, stop_ids, s).checked(limits, f"request {i}")

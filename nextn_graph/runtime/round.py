@@ -1,9 +1,5 @@
-"""One decode round over the static buffers: its phases as functions of a bucket size.
-
-What a round is belongs here, with the state and buffers it reads and writes; the graph
-cache (``graph/runner.py``) captures and replays ``run(key)`` for the keys
-``runtime/chunks.py`` asks for.
-"""
+"""One decode round over the static buffers: its phases as functions of a bucket size,
+which the graph cache captures and replays as ``run(key)``."""
 
 from __future__ import annotations
 
@@ -18,20 +14,16 @@ from .buffers import RequestState, RoundBuffers, SamplingTables
 from .eagle import SpecModels
 from .penalty_tables import PenaltyTables
 from ..sampling import RowParams, one_hot, speculative_accept
+from ..labels import BOOKKEEPING
+
+profile_label = BOOKKEEPING  # the work profile's label of this file's code (labels.py)
 
 
 @dataclass(frozen=True)
 class DecodeRound:
-    """The decode round of a bucket B.
-
-    ``num_steps`` 0 is plain decoding: the verify window is the bonus alone and the
-    verify phase commits it; there is no draft. ``fused``: the round runs as one unit,
-    ``Phase.ROUND`` (every phase in order, then the staged slots flip to the copies the
-    round wrote), so a steady batch is one graph and needs no staging.
-    ``sampling`` (tables, where the engine samples): each unit also runs as a sampling
-    variant (``GraphKey.sampled``) drawing each request's tokens with its parameters
-    (speculative rejection sampling); greedy rows in it take exactly the greedy tokens.
-    """
+    """``num_steps`` 0 is plain decoding: the window is the bonus alone, no draft.
+    ``fused``: one unit, ``Phase.ROUND``, so a steady batch is one graph and needs no
+    staging. ``sampling``: each unit also has a sampling variant (``GraphKey.sampled``)."""
 
     m: SpecModels
     state: RequestState
@@ -46,7 +38,6 @@ class DecodeRound:
 
     @property
     def verify_width(self) -> int:
-        """N, the verify window: the buffers' (allocated for ``num_steps``)."""
         return self.bufs.preds.shape[1]
 
     @cached_property
@@ -57,7 +48,6 @@ class DecodeRound:
 
     @cached_property
     def units(self) -> tuple[Phase, ...]:
-        """What a chunk runs, one graph each: the phases, or the one fused round."""
         return (Phase.ROUND,) if self.fused else self.phases
 
     def run(self, key: GraphKey) -> None:
@@ -68,8 +58,7 @@ class DecodeRound:
                 Phase.DRAFT_EXTEND: self.draft_extend, Phase.ROUND: self.round}[phase]
 
     def round(self, b: int, sampled: bool = False) -> None:
-        """The whole round, then the staged slots flip to the copies it wrote: the next
-        round of the same requests reads them without a staging copy."""
+        """Every phase, then the staged slots flip to the copies it wrote."""
         for phase in self.phases:
             self._unit(phase)(b, sampled)
         slots = self.bufs.slots[:b]
@@ -85,7 +74,6 @@ class DecodeRound:
         return out
 
     def _staged(self, b: int):
-        """(slots [B], pool rows [B]) of the bucket's requests."""
         slots = self.bufs.slots[:b]
         return slots, self.state.map.rows_of(slots)
 
@@ -93,8 +81,7 @@ class DecodeRound:
         return self.sampling.gather(rows) if sampled else None
 
     def rollout(self, b: int, sampled: bool = False) -> None:
-        """-> bufs.draft_tokens[:B] (and, sampling, q of candidates 2..S): candidate 1
-        and S - 1 NextN decode calls."""
+        """-> bufs.draft_tokens[:B] (and, sampling, q of candidates 2..S)."""
         slots, rows = self._staged(b)
         lengths, _, cand1, seed = self.state.gather(slots)
         tokens, q = eagle.rollout(self.m, rows, lengths, cand1, seed, self.num_steps,
@@ -104,8 +91,8 @@ class DecodeRound:
             self.sampling.q[:b, 1:].copy_(q)
 
     def verify(self, b: int, sampled: bool = False) -> None:
-        """One target forward over [bonus, d1..dS], then acceptance -> bufs.accept_lens,
-        bufs.preds (the tokens the round commits, ``preds[:a]``), bufs.hidden[:B*N]."""
+        """-> bufs.accept_lens, bufs.preds (the round commits ``preds[:a]``),
+        bufs.hidden[:B*N]; plain decoding (no draft) writes the next state here."""
         slots, rows = self._staged(b)
         lengths, bonus, cand1, _ = self.state.gather(slots)
         if self.num_steps == 1:  # no rollout: the window is [bonus, candidate 1]
@@ -145,9 +132,8 @@ class DecodeRound:
         self.bufs.hidden[: b * self.verify_width].copy_(hidden)  # for the draft extend
 
     def _logprobs(self, b: int, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """With graph.logprobs K: the raw logprobs of each window row's token (logits
-        [B, N, V], tokens [B, N]) and the K most likely, into the readout's columns. Rows
-        past a request's accepted length are read back and dropped by the host."""
+        """logits [B, N, V], tokens [B, N] -> the readout's logprob columns (rows past the
+        accepted length are dropped by the host)."""
         k = self.bufs.top_logprobs
         if k:
             values, ids = eagle.token_logprobs(logits, tokens, k)
@@ -155,7 +141,7 @@ class DecodeRound:
             self.bufs.top_ids[:b].copy_(ids)
 
     def draft_extend(self, b: int, sampled: bool = False) -> None:
-        """Draft extend with ``select_index``; the next state goes to the other copy."""
+        """The next state goes to the other copy (``runtime/slots.py``)."""
         slots, rows = self._staged(b)
         n = self.verify_width
         lengths = self.state.gather(slots)[0]
@@ -164,7 +150,7 @@ class DecodeRound:
         cand1, seed, q1 = eagle.draft_extend(self.m, rows, lengths, preds,
                                               self.bufs.hidden[: b * n], accept_lens,
                                               self._params(rows, sampled))
-        # Commit by length, into the copy the host flips to once the readback succeeded.
+        # commit by length
         nxt = self.state.map.other(slots)
         self.state.store(nxt, lengths + accept_lens, bonus, cand1, seed)
         if q1 is not None:

@@ -1,13 +1,6 @@
-"""The scheduler: which requests wait, which are prefilled, which run, and what a
-step returns. Host bookkeeping only; the drivers do the device work.
-
-It owns the waiting queue (arrival order; an aborted request stays in it until
-admission skips it, so ``abort`` is O(1) however long the queue), the requests being
-prefilled (they hold pool rows, prompts part done) and running, the live index, the
-outbox of outputs made but not yet returned, and the pool rows they hold. Each step
-it plans the prefill chunks under ``scheduler.prefill_token_budget`` (first come,
-first served, see ``runtime/prefill.py``) and commits or fails what the drivers ran.
-"""
+"""The scheduler: which requests wait, are prefilled, run, and what a step returns.
+Host bookkeeping only. An aborted request stays in the waiting queue until admission
+skips it, so ``abort`` is O(1) however long the queue."""
 
 from __future__ import annotations
 
@@ -25,9 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def budget_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request, int]]:
-    """The step's chunks, first come first served: (request, end) for each request that
-    gets one, its chunk the prompt positions ``request.prefilled .. end - 1``; at most
-    ``budget`` positions in all (0: unlimited)."""
+    """(request, end) per chunk, first come first served: positions ``prefilled ..
+    end - 1``, at most ``budget`` in all (0: unlimited)."""
     left = budget or sys.maxsize
     plan = []
     for req in prefilling:
@@ -40,8 +32,8 @@ def budget_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request,
 
 
 class Scheduler:
-    """Requests from ``add`` to their last output; ``rank``: the tensor-parallel rank
-    (None without a group), where a fault fails every live request (``fail_all``)."""
+    """``rank``: the tensor-parallel rank (None without a group), where a fault fails
+    every live request (``fail_all``)."""
 
     def __init__(self, pool: KVPool, stats: SpecStats, prefill_budget: int,
                  rank: int | None = None):
@@ -70,7 +62,6 @@ class Scheduler:
     def add(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int],
             sampling: SamplingParams, logprobs: int | None = None,
             prompt_logprobs: int | None = None) -> int:
-        """Queue a checked request -> its rid (``next_rid`` before the call)."""
         req = Request(self.next_rid, prompt, max_new_tokens, stop_ids, sampling,
                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         self.next_rid += 1
@@ -80,7 +71,7 @@ class Scheduler:
         return req.rid
 
     def abort(self, rid: int) -> bool:
-        """Drop a request: its row goes back at once, its unreturned outputs are dropped."""
+        """The row goes back at once; unreturned outputs are dropped."""
         req = self.live.get(rid)
         if req is None:
             return False
@@ -100,9 +91,7 @@ class Scheduler:
         outs, self.outbox = self.outbox, []
         return outs
 
-    # -- prefill -----------------------------------------------------------------------
     def plan_prefill(self) -> list[tuple[Request, int]]:
-        """Admit waiting requests while rows and budget last -> the step's chunks."""
         self.take_waiting()
         return budget_chunks(list(self.prefilling.values()), self.prefill_budget)
 
@@ -121,10 +110,8 @@ class Scheduler:
 
     def prefilled(self, plan: list[tuple[Request, int]], bonus: Sequence[int],
                   logprobs: dict[int, tuple] | None = None) -> None:
-        """A step's chunks ran: progress moves; the final chunks' requests run from now,
-        each with its bonus token (``bonus``: the final chunks', in plan order).
-        ``logprobs``: by rid, (the chunk's prompt logprobs, the bonus's or None) for the
-        requests that asked."""
+        """``bonus``: the final chunks', in plan order. ``logprobs``: by rid, (the chunk's
+        prompt logprobs, the bonus's or None)."""
         logprobs = logprobs or {}
         for req, end in plan:
             req.prefilled = end
@@ -141,8 +128,7 @@ class Scheduler:
             self.commit(req, [tok], [], logprobs=lp and (lp,), prompt_logprobs=prompt_lps)
 
     def requeue(self, reqs: list[Request]) -> None:
-        """An interrupt cut a prefill short: back to the head of the queue, rows released,
-        progress dropped (the prefill starts over)."""
+        """An interrupt: back to the head of the queue, the prefill starts over."""
         for req in reversed(reqs):
             self.prefilling.pop(req.rid)
             self.pool.release(req.row)
@@ -150,9 +136,7 @@ class Scheduler:
             self.waiting.appendleft(req)
         self.num_waiting += len(reqs)
 
-    # -- commit and failure ---------------------------------------------------------------
     def release(self, req: Request) -> None:
-        """A request leaves the engine (finished, failed or aborted): its row goes back."""
         self.running.pop(req.row, None)  # absent while being prefilled
         self.prefilling.pop(req.rid, None)
         self.live.pop(req.rid, None)
@@ -173,7 +157,6 @@ class Scheduler:
                                       prompt_logprobs=prompt_logprobs))
 
     def fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
-        """A fault in one unit of work: its requests fail, with the error, rows released."""
         reason = f"{where}: {type(exc).__name__}: {str(exc)[:500]}"
         log.error("%s; failing requests %s", reason, [r.rid for r in reqs], exc_info=exc)
         self.stats.faults += 1
@@ -187,9 +170,8 @@ class Scheduler:
             self.outbox.append(StepOutput(req.rid, [], True, [], error=reason))
 
     def fail_all(self, reqs: list[Request], exc: Exception, where: str) -> None:
-        """A fault on a tensor-parallel group: the ranks may have run different work (or a
-        rank is gone), so no request can go on. Every live request fails explicitly with
-        the reason (this step returns them), and later steps raise ``ParallelError``."""
+        """The ranks may have run different work (or a rank is gone): every live request
+        fails, later steps raise ``ParallelError``."""
         others = [r for r in self.live.values() if r not in reqs and not r.finished]
         self.fail(list(reqs) + others, exc, f"{where} (tensor-parallel rank {self.rank})")
         self.waiting.clear()
@@ -198,8 +180,6 @@ class Scheduler:
 
     def fail_unit(self, unit: list[Request], active: list[Request], exc: Exception,
                   where: str) -> None:
-        """A fault in ``unit`` (a part of the work of ``active``): its requests fail, or
-        on a tensor-parallel group every live one."""
         if self.rank is None:
             self.fail(unit, exc, where)
         else:

@@ -2,13 +2,10 @@
 
 Pool row r in [0, R) has two state slots, r (copy 0) and r + R (copy 1); row 0 is
 padding. A round reads each request's committed copy and writes the next state into
-the other one; the host flips the request to it once the round's readback succeeded
-(overlapped: once the round is launched, the device state moving on with it), so a
-round that fails anywhere leaves every committed copy as it was.
-
-The map also remembers which slots the device's staged-slots buffer holds: a fused
-round flips them to the copies it wrote, so the next chunk of the same requests needs
-no staging copy.
+the other; the host flips the request to it once the round's readback succeeded
+(overlapped: once it is launched), so a round that fails anywhere leaves every
+committed copy as it was. A fused round flips the staged-slots buffer itself, so the
+next chunk of the same requests needs no staging copy.
 """
 
 from __future__ import annotations
@@ -16,6 +13,10 @@ from __future__ import annotations
 from typing import Iterable, Protocol, Sequence
 
 import torch
+
+from ..labels import BOOKKEEPING
+
+profile_label = BOOKKEEPING  # the work profile's label of this file's code (labels.py)
 
 
 class Slotted(Protocol):
@@ -28,23 +29,19 @@ class SlotMap:
         self.rows = rows  # R, the pool's request rows (padding row 0 included)
         self._staged: tuple[int, tuple[int, ...]] | None = None  # (bucket, slots), if known
 
-    # -- host side -------------------------------------------------------------------
     def slot(self, row: int, copy: int = 0) -> int:
         return row + copy * self.rows
 
     def slots(self, reqs: Iterable[Slotted]) -> list[int]:
-        """The committed slots of ``reqs``."""
         return [r.row + r.copy * self.rows for r in reqs]
 
     def row(self, slot: int) -> int:
         return slot % self.rows
 
     def flip(self, reqs: Iterable[Slotted]) -> None:
-        """The next state the round wrote becomes the committed one."""
         for r in reqs:
             r.copy ^= 1
 
-    # -- device side, tensors of slots [B] --------------------------------------------
     def rows_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Pool rows [B] (padding slots give row 0)."""
         return slots.remainder(self.rows)
@@ -53,7 +50,6 @@ class SlotMap:
         """The other copies' slots [B]: where a round writes the next state."""
         return (slots + self.rows).remainder(2 * self.rows)
 
-    # -- the staged-slots buffer ------------------------------------------------------
     def needs_staging(self, bucket: int, slots: Sequence[int]) -> bool:
         return self._staged != (bucket, tuple(slots))
 

@@ -1,15 +1,12 @@
-"""The bf16 guarantee as a check (docs/guarantees_bf16.md): where a bf16 stream first
-leaves the fp32 reference, the token it picked trails the reference's own choice by less
-than a tolerance δ (its regret). The suite and ``perf/sweep.py`` both use it."""
+"""The bf16 guarantee as a check (docs/guarantees_bf16.md)."""
 
 from __future__ import annotations
 
 import torch
 
-# δ, in fp32 logits: where a bf16 stream first leaves the fp32 reference, the token it
-# picked may trail the reference's choice by less than this (its regret). Measured
-# (docs/guarantees_bf16.md, perf/sweep.py): no bf16 divergence seen at an fp32 margin
-# above 2.17 or a regret above 1.64; δ is over twice that.
+# δ in fp32 logits: where a bf16 stream first leaves the reference, its token may trail
+# the reference's choice by less (its regret). Measured (perf/sweep.py): no divergence
+# at a margin above 2.17 or a regret above 1.64; δ is over twice that.
 BF16_TOLERANCE = 5.0
 
 
@@ -37,10 +34,9 @@ def top2_margins(logits: torch.Tensor) -> list[float]:
 
 
 def divergence_regret(got: list[int], ref: list[int], ref_logits: torch.Tensor) -> float | None:
-    """At the first position where ``got`` leaves ``ref``: the reference's logit of its own
-    token minus that of ``got``'s token (the top-2 margin when ``got`` took the runner-up).
-    None when the streams are equal; inf when one stops early or runs on with no differing
-    token (same limits and stop ids, so that is bookkeeping, never rounding)."""
+    """Reference logit of its token minus that of ``got``'s at the first divergence. None
+    when equal; inf when one stream is a prefix of the other (same limits and stop ids,
+    so that is bookkeeping, never rounding)."""
     i = first_divergence(got, ref)
     if i is None:
         return None
@@ -51,7 +47,6 @@ def divergence_regret(got: list[int], ref: list[int], ref_logits: torch.Tensor) 
 
 def within_tolerance(got: list[int], ref: list[int], ref_logits: torch.Tensor,
                      delta: float = BF16_TOLERANCE) -> bool:
-    """The bf16 guarantee for one stream: it equals the fp32 reference ``ref``, or first
-    leaves it for a token whose fp32 logit trails the reference's choice by under ``delta``."""
+    """Equal to the fp32 reference, or first leaving it with a regret under ``delta``."""
     regret = divergence_regret(got, ref, ref_logits)
     return regret is None or regret < delta

@@ -1,13 +1,7 @@
 """The host ends of a round's two transfers: the slots upload and the readback.
-
-Allocated once at the largest bucket. Pinned on cuda/npu (a non_blocking copy from
-pageable memory is a hidden host sync on torch_npu); plain tensors on CPU, where
-copies are synchronous. A readback is two halves: ``start_read`` enqueues the
-device->host copy into one of two host buffers (and, on a device, records an
-event after it); ``finish_read`` waits for that event only and reads the values.
-Between the halves the host may launch the next round: its replay is queued
-behind the copy, so it cannot overwrite the rows being read, and the wait is for
-the copy, not for the next round (the overlap of ``graph.overlap``).
+Pinned on cuda/npu: a non_blocking copy from pageable memory is a hidden host sync on
+torch_npu. ``finish_read`` waits for the copy's event only; the next round may launch
+before it, queued behind the copy, so it cannot overwrite the rows being read.
 """
 
 from __future__ import annotations
@@ -19,8 +13,6 @@ import torch
 
 @dataclass(frozen=True)
 class PendingRead:
-    """A started readback: which host buffer, how many values, and its event."""
-
     buffer: int
     size: int
     event: object | None  # a device event after the copy (None on CPU)
@@ -34,7 +26,7 @@ class HostTransfers:
         bmax = bufs.slots.shape[0]
         self.slots = torch.zeros(bmax, dtype=torch.int64, pin_memory=pinned)  # [Bmax]
         self._slots = self.slots.numpy()  # written in place on the host: no tensor per round
-        # two readback buffers [Bmax*(1+N+S)] each: one being read while the next fills
+        # two readback buffers [Bmax * readout width]: one being read while the next fills
         self.out = [torch.zeros(bufs.readout.numel(), dtype=torch.int64, pin_memory=pinned)
                     for _ in range(2)]
         self._next = 0
@@ -46,7 +38,6 @@ class HostTransfers:
         self._uploading = False  # an upload that no finished read has waited for yet
 
     def _sync(self) -> None:
-        """Wait for the current stream: what the round enqueued is done (nothing on CPU)."""
         if self._module is not None:
             self._module.current_stream(self._device).synchronize()
 
@@ -62,9 +53,8 @@ class HostTransfers:
         self._uploading = True
 
     def start_read(self, rows: torch.Tensor) -> PendingRead:
-        """Enqueue the copy of contiguous device rows into the next host buffer."""
         i, size = self._next, rows.numel()
-        self._next = 1 - self._next  # (the other host buffer)
+        self._next = 1 - self._next
         self.out[i][:size].view(rows.shape).copy_(rows, non_blocking=True)
         event = self._events[i]
         if event is not None:
@@ -81,5 +71,4 @@ class HostTransfers:
         return self.out[read.buffer][:read.size]
 
     def readback(self, rows: torch.Tensor) -> list[int]:
-        """Both halves at once: one copy, then the one host sync."""
         return self.finish_read(self.start_read(rows)).tolist()

@@ -69,9 +69,10 @@ class ServeMetrics:
                                 ["position"], registry=r)
         self.accept_rate = Gauge(P + "draft_acceptance_rate", "accepted / proposed draft "
                                  "tokens, by position, since start", ["position"], registry=r)
-        self.rounds = Counter(P + "rounds", "round chunks run, by graph kind, bucket and "
-                              "whether it replayed a graph or ran eagerly",
-                              ["kind", "bucket", "mode"], registry=r)
+        self.phase_runs = Counter(P + "phase_runs", "phases run by the round chunks, by "
+                                  "phase (GraphKey.name), bucket and whether a graph "
+                                  "replayed it or it ran eagerly",
+                                  ["phase", "bucket", "mode"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "requests waiting: in the engine's "
                                  "queue or on their way to it", registry=r)
         self.running = Gauge(P + "running_requests", "requests holding a pool row",
@@ -90,8 +91,8 @@ class ServeMetrics:
     # -- the engine loop's turns (on the thread their reports arrive on) ----------------
     def observe(self, snap: EngineSnapshot) -> None:
         self._engine.snapshot = snap
-        for (kind, bucket, mode), n in snap.phase_runs.items():
-            self.rounds.labels(kind, str(bucket), mode).inc(n)
+        for (phase, bucket, mode), n in snap.phase_runs.items():
+            self.phase_runs.labels(phase, str(bucket), mode).inc(n)
         for accepted, drafted in snap.acceptance:
             self._count_acceptance(accepted, drafted)
         self.queue_depth.set(snap.num_waiting + snap.pending)

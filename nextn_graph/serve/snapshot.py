@@ -24,7 +24,7 @@ RUNNER_COUNTERS = ("graph_replays", "eager_fallbacks", "padded_rows", "bucket_sp
 class EngineSnapshot:
     stats: dict[str, int]  # ENGINE_STATS of engine.stats: totals since start
     counters: dict[str, int]  # RUNNER_COUNTERS of engine.chunks.counters: totals
-    phase_runs: dict[tuple[str, int, str], int]  # (kind, bucket, mode) -> chunks, this turn
+    phase_runs: dict[tuple[str, int, str], int]  # (phase, bucket, mode) -> chunks, this turn
     # per request round of this turn: (drafts accepted, drafts proposed), as
     # ``StepOutput.accepted`` and ``len(draft_tokens)`` (before stop and length cuts)
     acceptance: tuple[tuple[int, int], ...]

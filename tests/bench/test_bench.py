@@ -18,7 +18,7 @@ from nextn_graph.bench.trace import TRACE_ROUNDS
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
 from nextn_graph.profile.counting import OUTSIDE_PHASES
-from nextn_graph.graph.runner import COUNTED_AS
+from nextn_graph.runtime.chunks import COUNTED_AS
 
 SMALL = BenchSettings(warmup_rounds=1, timed_rounds=3, repeats=1)
 
@@ -276,13 +276,13 @@ def test_capture_records_every_graph(report):
     rounds = ["round", "round+sampling"]
     cap = rep["capture"]
     recs = cap["records"]
-    assert [(r["kind"], r["bucket"]) for r in recs] == [(k, b) for b in (2, 1) for k in rounds]
+    assert [(r["name"], r["bucket"]) for r in recs] == [(k, b) for b in (2, 1) for k in rounds]
     assert all(r["seconds"] > 0 and r["nbytes"] > 0 and r["ops"] > 0 for r in recs)
     assert cap["total_s"] == pytest.approx(sum(r["seconds"] for r in recs))
     assert len(cap["plain_records"]) == 4  # plain decoding: one round (and variant) per bucket
-    split = [(r["kind"], r["bucket"]) for r in cap["split_records"]]
+    split = [(r["name"], r["bucket"]) for r in cap["split_records"]]
     assert split == [(k, b) for b in (2, 1) for k in phases]
-    assert [r["kind"] for r in cap["overlap_records"]] == ["round"] * 2
+    assert [r["name"] for r in cap["overlap_records"]] == ["round"] * 2
 
 
 def test_outputs_exist(report):

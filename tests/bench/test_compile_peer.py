@@ -67,7 +67,7 @@ def test_peer_capture_and_outputs(peer_report):
     the JSON carry the peer's columns."""
     rep, out = peer_report
     recs = rep["compile_capture"]["records"]
-    assert sorted(r["kind"] for r in recs) == sorted(KINDS) and all(r["bucket"] == 2 for r in recs)
+    assert sorted(r["name"] for r in recs) == sorted(KINDS) and all(r["bucket"] == 2 for r in recs)
     assert rep["compile_capture"]["total_s"] > 0
     text = table(rep)
     assert all(h in text for h in PEER_HEADER) and "compile peer: torch.compile (aot_eager)" in text

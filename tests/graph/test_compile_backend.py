@@ -189,6 +189,7 @@ def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
                         GraphConfig(backend="compile", buckets=(4,), sampling=False),
                         backend=backend)
     assert _names(engine.runner.graphs) == [("round", 4)] and backend.captured == 1
+    assert engine.runner.graphs[GraphKey(Phase.ROUND, 4)].label == "round_B4"  # (logs)
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     ref = reference_generate(trained.target, PROMPTS, MAX_NEW, stop_ids=set(), max_context=128)
     assert res.outputs == ref.outputs

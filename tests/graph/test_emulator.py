@@ -142,7 +142,7 @@ def test_model_phases_capture_cleanly(tiny):
     uniforms with integer tensor ops)."""
     engine = _engine(tiny, num_steps=3)
     records = engine.runner.records
-    got = {(r.kind, r.bucket) for r in records}
+    got = {(r.name, r.bucket) for r in records}
     kinds = ("rollout", "target_verify", "draft_extend")
     assert got == {(k + v, b) for k in kinds for v in ("", "+sampling") for b in (1, 2, 4)}
     assert len(records) == 18 and {(k.name, k.bucket) for k in engine.runner.graphs} == got
@@ -154,20 +154,20 @@ def test_model_phases_capture_cleanly(tiny):
 def test_fused_round_is_one_graph_per_bucket(tiny):
     """graph.round fused: one graph per bucket (kind "round"), holding every phase's ops."""
     split, fused = _engine(tiny, num_steps=3), _engine(tiny, num_steps=3, round_mode="fused")
-    assert {(r.kind, r.bucket) for r in fused.runner.records} == {
+    assert {(r.name, r.bucket) for r in fused.runner.records} == {
         (k, b) for k in ("round", "round+sampling") for b in (1, 2, 4)}
     for b in (1, 2, 4):
         for variant in ("", "+sampling"):
             phase_ops = sum(r.ops for r in split.runner.records
-                            if r.bucket == b and r.kind.endswith(variant or "_"))
-            (rec,) = [r for r in fused.runner.records if (r.kind, r.bucket) == ("round" + variant, b)]
+                            if r.bucket == b and r.name.endswith(variant or "_"))
+            (rec,) = [r for r in fused.runner.records if (r.name, r.bucket) == ("round" + variant, b)]
             assert rec.ops > phase_ops  # the three phases, plus the in-graph slot flip
 
 
 def test_one_step_captures_no_rollout(tiny):
     """With num_steps 1 (candidate 1 from draft extend) no rollout graph is captured."""
     engine = _engine(tiny, num_steps=1, buckets=(1, 2))
-    got = {(r.kind.removesuffix("+sampling"), r.bucket) for r in engine.runner.records}
+    got = {(r.name.removesuffix("+sampling"), r.bucket) for r in engine.runner.records}
     assert got == {(k, b) for k in ("target_verify", "draft_extend") for b in (1, 2)}
 
 

@@ -73,7 +73,7 @@ def test_npu_backend_engine_equals_eager_and_reference(trained, expected, round_
                         GraphConfig(backend="npu", buckets=(1, 2), round=round_mode),
                         backend=backend, updates=reg)
     assert not engine.rounds.overlap
-    assert {(r.kind, r.bucket) for r in engine.runner.records} == {
+    assert {(r.name, r.bucket) for r in engine.runner.records} == {
         (k + v, b) for k in kinds for v in ("", "+sampling") for b in (1, 2)}
     res = engine.generate(PROMPTS, MAX_NEW, stop_ids=set())
     assert res.outputs == expected.outputs

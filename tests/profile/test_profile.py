@@ -18,6 +18,7 @@ import torch
 from nextn_graph.bench.work import bench_profile, profile_lines, profile_section
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
+from nextn_graph.graph.kinds import GraphKey
 from nextn_graph.profile.counting import OpCounter
 from nextn_graph.model import config as model_config
 from nextn_graph.model.config import config_from_dict
@@ -41,7 +42,7 @@ MORE_EXPERTS = config_from_dict({**TINY, "n_routed_experts": 16}, "16 experts")
 
 def _work(cfg, st: ProfileSettings, device: str = "meta", memo: bool = True):
     models = profile_models(build_config(cfg, st.max_context), st.weights, st.dtype, device)
-    counter = WorkCounter(KindResolver((models.target, models.draft)), memo=memo)
+    counter = WorkCounter(KindResolver(), memo=memo)
     count_round(decode_round(models, st), st.bucket, counter)
     return counter
 
@@ -96,9 +97,9 @@ def test_meta_count_is_the_real_count(cfg, weights):
     models = profile_models(build_config(cfg, st.max_context), weights, st.dtype, "cpu")
     rnd = decode_round(models, st)
     with torch.no_grad(), OpCounter() as real:
-        for kind in rnd.phases:
-            with real.phase(kind.name):
-                rnd.run(kind, st.bucket)
+        for phase in rnd.phases:
+            with real.phase(str(phase)):
+                rnd.run(GraphKey(phase, st.bucket))
     assert meta == dict(real.per_phase)
 
 
@@ -110,7 +111,7 @@ def test_memo_changes_nothing():
 
 def _one_op(fn, *tensors) -> tuple[str, int, int, int]:
     """(op, bytes read, bytes written, FLOPs) of the single kernel ``fn`` launches."""
-    counter = WorkCounter(KindResolver([]))
+    counter = WorkCounter(KindResolver())
     with counter:
         fn(*tensors)
     assert counter.kernels == 1, counter.work

@@ -24,7 +24,7 @@ SMALL = ProfileSettings(bucket=2, max_requests=4, max_context=64)
 def _counted(st: ProfileSettings, kernels, backend: str = "cuda") -> WorkCounter:
     models = profile_models(build_config(TINY, st.max_context), st.weights, st.dtype,
                             kernels=kernels)
-    counter = WorkCounter(KindResolver((models.target, models.draft)), memo=True,
+    counter = WorkCounter(KindResolver(), memo=True,
                           decompose=decompositions(backend, st.dtype))
     count_round(decode_round(models, st), st.bucket, counter)
     return counter
@@ -52,7 +52,7 @@ def test_quantized_gemms_count_their_dequantization():
     """One quant op per call before; now the dequantize-then-GEMM a device runs."""
     st = dataclasses.replace(SMALL, weights="quantized")
     counted = _counted(st, REFERENCE)
-    plain = WorkCounter(KindResolver(()), memo=True)
+    plain = WorkCounter(KindResolver(), memo=True)
     models = profile_models(build_config(TINY, st.max_context), st.weights, st.dtype)
     count_round(decode_round(models, st), st.bucket, plain)
     ones = sum(n for (_, _, op, *_), n in plain.work.items() if "quant" in op)

@@ -379,7 +379,7 @@ def test_kinds_switched_off_run_eagerly_and_are_counted(trained, kinds, replays,
     prompts = corpus_prompts(31, [9, 24, 15])
     eng = make_engine(trained, 3, max_requests=4, max_context=96,
                       graph=cpu_graphs(captured_phases=kinds))
-    assert {r.kind for r in eng.runner.records} == {k + v for k in kinds
+    assert {r.name for r in eng.runner.records} == {k + v for k in kinds
                                                      for v in ("", "+sampling")}
     res = eng.generate(prompts, 16, stop_ids=[])
     eager = make_engine(trained, 3, max_requests=4, max_context=96).generate(

@@ -130,11 +130,11 @@ def test_sampling_graphs_are_captured_beside_greedy_ones(trained):
     """One sampling variant per kind and bucket; greedy-only engines capture none, keep
     no sampling tables and refuse sampling requests by name."""
     both = SpecEngine(trained.target, trained.draft, SPEC, POOL, GRAPHS["fused"])
-    kinds = [r.kind for r in both.runner.records]
+    kinds = [r.name for r in both.runner.records]
     assert kinds.count("round") == kinds.count("round+sampling") == 3
     greedy = SpecEngine(trained.target, trained.draft, SPEC, POOL,
                         GraphConfig(backend="cpu", buckets=(1, 2, 4), sampling=False))
-    assert [r.kind for r in greedy.runner.records] == ["round"] * 3
+    assert [r.name for r in greedy.runner.records] == ["round"] * 3
     assert greedy.chunks.round.sampling is None
     with pytest.raises(InputError, match=r"request 0: temperature 0.5 samples, but this "
                                          r"engine was built greedy-only \(graph.sampling"):

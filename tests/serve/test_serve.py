@@ -266,10 +266,10 @@ def test_metrics_match_what_clients_saw(server, client):
     assert sum(accepted) == delta("nextn_engine_accepted_drafts_total")
     assert proposed[0] == proposed[2] == delta("nextn_engine_request_rounds_total")
     assert accepted[0] >= accepted[1] >= accepted[2]
-    # Phases by graph kind and bucket: the replays are the engine's graph replays.
-    assert total("nextn_serve_rounds_total", mode="graph") == delta(
+    # Phases by name and bucket: the replays are the engine's graph replays.
+    assert total("nextn_serve_phase_runs_total", mode="graph") == delta(
         "nextn_engine_graph_replays_total") > 0
-    assert total("nextn_serve_rounds_total", mode="eager") == delta(
+    assert total("nextn_serve_phase_runs_total", mode="eager") == delta(
         "nextn_engine_eager_fallbacks_total")
     assert 0 <= metric(after, "nextn_serve_draft_acceptance_rate", position="1") <= 1
 

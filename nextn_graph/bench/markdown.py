@@ -19,8 +19,8 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     return f"""# nextn_graph replay benchmark
 
-Config `{s['config']}`, backend `{s['backend']}`, torch {s['torch']}, {s['machine']},
-{s['threads']} thread(s). Per steady round (every request running, none admitted);
+Run {s['date']} on {s['cpu']} ({s['cores']} cores, {s['machine']}).
+Config `{s['config']}`, backend `{s['backend']}`, torch {s['torch']}, {s['threads']} thread(s). Per steady round (every request running, none admitted);
 submissions are {_counted_as(report)}.
 
 {body}

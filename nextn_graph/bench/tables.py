@@ -219,7 +219,8 @@ def table(report: dict) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     s = report["settings"]
     tp = report.get("parallel", {}).get("tp", 1)
-    head = (f"backend {s['backend']}, torch {s['torch']}, {s['threads']} thread(s)"
+    head = (f"{s['date']}, {s['cpu']} x{s['cores']}: backend {s['backend']}, "
+            f"torch {s['torch']}, {s['threads']} thread(s)"
             f"{f', tp {tp} ranks' if tp > 1 else ''}; "
             f"per steady round, medians of {s['bench']['repeats']} repeats")
     return "\n".join([head, *lines, *summary_lines(report)])

@@ -8,6 +8,7 @@ per round = the captured kinds), and that every promised output exists.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -297,7 +298,12 @@ def test_outputs_exist(report):
     assert {"speedup", "acceptance_length"} <= set(data["spec_vs_plain"])
     assert data["settings"]["backend"] == "cpu" and data["settings"]["torch"]
     assert data["kv_pool_mb"]["target"] > data["kv_pool_mb"]["draft"] > 0  # SWA-only draft
-    assert "| bucket |" in (out / "bench.md").read_text()
+    md = (out / "bench.md").read_text()
+    assert "| bucket |" in md
+    # dated, with the machine named (the README's figures quote them)
+    s = data["settings"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", s["date"]) and s["cpu"] and s["cores"] >= 1
+    assert f"Run {s['date']} on {s['cpu']} ({s['cores']} cores" in md
     assert {"round_modes.png", "round_trace.png"} <= set(PLOTS)
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

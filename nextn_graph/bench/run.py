@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import os
 import platform
 import statistics
 import time
@@ -16,6 +14,7 @@ from ..checkpoint.loader import weight_bytes
 from ..config import RunConfig, compile_peer
 from ..runtime.chunks import plan_chunks
 from ..launch.ranks import load_on_ranks
+from ..machine import run_stamp
 from ..parallel.group import TPGroup
 from ..progress import progress_bar
 from .e2e import bench_temperature, sampling_summary
@@ -23,19 +22,6 @@ from .engines import build_engines
 from .measure import BenchSettings, bench_bucket, bench_prompts
 from .report import check_outputs, write_outputs
 from .work import bench_profile
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows: the
-    reports name the machine their figures come from."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def padding_waste(buckets: tuple[int, ...], max_requests: int) -> dict:
@@ -94,8 +80,7 @@ def run_bench(cfg: RunConfig, where: str, st: BenchSettings, out_dir: Path,
             "config": where, "run_config": asdict(cfg), "backend": cfg.graph.backend,
             "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.platform(), "processor": platform.machine(),
-            "cpu": cpu_name(), "cores": os.cpu_count(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            **run_stamp(),
             "threads": torch.get_num_threads(), "bench": asdict(st),
             "graphs": engines.has_graphs,  # False for the eager backend: graph figures null
             # the config's graph round: fused (then split and overlap are measured too),

@@ -33,6 +33,7 @@ from ..checkpoint.corpus import corpus  # noqa: E402
 from ..checkpoint.loader import resolve_checkpoint  # noqa: E402
 from ..config import RunConfig, load_run_config  # noqa: E402
 from ..errors import InputError  # noqa: E402
+from ..machine import run_stamp  # noqa: E402
 from ..model.config import load_config  # noqa: E402
 from .bench import MAX_REQUESTS, Job, Load, run_load  # noqa: E402
 from .limits import ENGINE_HOSTS, ServeSettings  # noqa: E402
@@ -106,7 +107,7 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
     report = {"config": {"checkpoint": cfg.checkpoint, "num_steps": cfg.speculative.num_steps,
                          "pool": vars(cfg.pool), "graph_backend": cfg.graph.backend,
                          "buckets": list(cfg.graph.buckets), "device": cfg.device,
-                         "engines": list(engines), "repeats": repeats},
+                         "engines": list(engines), "repeats": repeats, **run_stamp()},
               "jobs": {"count": len(jobs), "prompt_lengths": PROMPT_LENGTHS,
                        "output_lengths": OUTPUT_LENGTHS, "seed": seed},
               "rows": rows, "split_over_thread": split_ratios(rows)}
@@ -136,7 +137,8 @@ def _pair(row: dict, key: str) -> str:
 
 def markdown(report: dict) -> str:
     c = report["config"]
-    lines = [f"Serving bench: {c['checkpoint']} on {c['device']} ({c['graph_backend']} graphs, "
+    lines = [f"Serving bench, {c['date']} on {c['cpu']} x{c['cores']}: "
+             f"{c['checkpoint']} on {c['device']} ({c['graph_backend']} graphs, "
              f"buckets {c['buckets']}), num_steps {c['num_steps']}, "
              f"{c['pool']['max_requests']} pool rows, engine in a "
              f"{' and in a '.join(c['engines'])}, the median of {c['repeats']} repeat(s); "

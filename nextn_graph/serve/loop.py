@@ -27,6 +27,7 @@ from ..errors import InputError
 from ..runtime.engine import SpecEngine
 from ..runtime.request import StepOutput
 from ..sampling import SamplingParams
+from .errors import api_param
 from .snapshot import EngineSnapshot, Snapshots
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Failure:
 
     status: int
     message: str
+    param: str | None = None  # the request field at fault, in the API's spelling
 
 
 Event = StepOutput | Failure
@@ -141,7 +143,7 @@ class EngineLoop:
             rid = self.engine.add_request(list(t.prompt), t.max_tokens, t.stop_ids,
                                           t.sampling, t.logprobs, t.prompt_logprobs)
         except InputError as exc:
-            return Failure(400, str(exc))
+            return Failure(400, str(exc), api_param(exc.field))
         except Exception as exc:  # a broken engine (a failed tensor-parallel group)
             return Failure(500, f"{type(exc).__name__}: {exc}")
         self._rids[t.key], self._keys[rid] = rid, t.key

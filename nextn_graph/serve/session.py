@@ -131,11 +131,13 @@ class Session:
         engine loop admits a request's choices together: a refusal comes first.)"""
         index, event = self._first = await self._next()
         if isinstance(event, Failure):
-            raise self._fail(self.runs[index], event.status, event.message)
+            raise self._fail(self.runs[index], event.status, event.message, param=event.param)
 
-    def _fail(self, run: _Run, status: int, message: str, code: str | None = None) -> APIError:
+    def _fail(self, run: _Run, status: int, message: str, code: str | None = None,
+              param: str | None = None) -> APIError:
         run.finish_reason, self.failed = "error", True
-        return APIError(status, message, code=code or ("engine_fault" if status == 500 else None))
+        return APIError(status, message, param,
+                        code=code or ("engine_fault" if status == 500 else None))
 
     async def _next(self) -> tuple[int, object]:
         if self._first is not None:
@@ -166,7 +168,7 @@ class Session:
             if run.finish_reason is not None:  # stopped by a stop string: rounds in flight
                 continue
             if isinstance(event, Failure):
-                raise self._fail(run, event.status, event.message)
+                raise self._fail(run, event.status, event.message, param=event.param)
             now = time.perf_counter()
             (self.metrics.itl if run.started else self.metrics.ttft).observe(
                 now - (run.last if run.started else self.start))

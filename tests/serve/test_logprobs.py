@@ -607,7 +607,7 @@ class _FakeEngine:
 
     def add_request(self, prompt, max_tokens, stop_ids, sampling, logprobs, prompt_logprobs):
         if len(self.added) == self.refuse:
-            raise InputError("refused")
+            raise InputError("refused", field="max_new_tokens")
         self.added.append(len(self.added))
         return len(self.added) - 1
 
@@ -624,4 +624,4 @@ def test_a_request_s_choices_are_admitted_all_or_none(tok):
     loop = EngineLoop(engine, queue.SimpleQueue(), lambda report: None)
     loop._add([job.ticket() for job in jobs])
     assert engine.aborted == [0, 1] and not loop._rids and not loop._keys
-    assert loop._events == [(12, Failure(400, "refused"))]
+    assert loop._events == [(12, Failure(400, "refused", "max_tokens"))]  # the API's name

@@ -54,7 +54,11 @@ def test_bench_serve_both_engines_repeated(tmp_path):
     for mode in ("spec", "plain"):
         want = rows[mode, "process"]["throughput_tok_s"] / rows[mode, "thread"]["throughput_tok_s"]
         assert ratio[mode] == pytest.approx(want, rel=1e-3)
-    assert "engine process / engine thread, c=2: spec" in (tmp_path / "serve_bench.md").read_text()
+    md = (tmp_path / "serve_bench.md").read_text()
+    assert "engine process / engine thread, c=2: spec" in md
+    c = report["config"]  # dated, with the machine named
+    assert c["date"].endswith(" UTC") and c["cpu"] and c["cores"] >= 1
+    assert md.startswith(f"Serving bench, {c['date']} on {c['cpu']} x{c['cores']}: ")
 
 
 @pytest.mark.parametrize("argv", [["bench-serve", "--concurrency", "0"],

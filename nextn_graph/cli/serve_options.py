@@ -86,6 +86,13 @@ def _levels(text: str) -> tuple[int, ...]:
     return values
 
 
+def _tokens(text: str) -> int:
+    value = int(text) if text.isdigit() else -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0, got {text!r}")
+    return value
+
+
 def _rates(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(v) for v in text.split(",")) if text else ()
@@ -118,6 +125,11 @@ def add_serve_commands(sub, positive, add_threads) -> None:
     bench.add_argument("--max-requests", type=positive, default=None,
                        help="pool rows (default: the largest concurrency level, at most 32)")
     bench.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    bench.add_argument("--shared-prefix", type=_tokens, default=0, metavar="TOKENS",
+                       help="each group of --prefix-group prompts starts with the same "
+                            "TOKENS tokens (default 0: no shared prefix)")
+    bench.add_argument("--prefix-group", type=positive, default=4,
+                       help="prompts per shared prefix (default 4)")
     bench.add_argument("--engine", choices=(*ENGINE_HOSTS, "both"),
                        default=ServeSettings.engine,
                        help="where each server's engine runs: its own process, a thread of "

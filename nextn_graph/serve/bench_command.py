@@ -45,10 +45,30 @@ MODES = ("spec", "plain")
 MAX_POOL = 32
 
 
-def make_jobs(vocab: int, n: int, seed: int) -> list[Job]:
+def make_jobs(vocab: int, n: int, seed: int, shared_prefix: int = 0,
+              group: int = 4) -> list[Job]:
+    """Mixed prompts and output lengths. ``shared_prefix`` > 0: each run of ``group``
+    consecutive jobs starts with the same ``shared_prefix`` tokens (a system prompt or a
+    few-shot template), then its own prompt; the next group has another prefix."""
     rng, drawn = random.Random(seed), corpus(vocab, seed)
-    return [Job(drawn.sample(rng.choice(PROMPT_LENGTHS)), rng.choice(OUTPUT_LENGTHS))
-            for _ in range(n)]
+    jobs, prefix = [], []
+    for i in range(n):
+        if shared_prefix and i % group == 0:
+            prefix = drawn.sample(shared_prefix)
+        jobs.append(Job(prefix + drawn.sample(rng.choice(PROMPT_LENGTHS)),
+                        rng.choice(OUTPUT_LENGTHS)))
+    return jobs
+
+
+def prefix_summary(jobs: list[Job], shared_prefix: int, group: int) -> dict:
+    """What a prefix cache could save on ``jobs`` at best: every job but the first of its
+    group finds the shared prefix cached (token-granular; a paged cache rounds it down to
+    its pages)."""
+    prompt = sum(len(j.prompt) for j in jobs)
+    shared = sum(shared_prefix for i in range(len(jobs)) if i % group) if shared_prefix else 0
+    return {"shared_prefix": shared_prefix, "prefix_group": group if shared_prefix else None,
+            "prompt_tokens": prompt, "shareable_tokens": shared,
+            "ideal_hit_rate": round(shared / prompt, 4) if prompt else 0.0}
 
 
 def bench_config(args: argparse.Namespace) -> RunConfig:
@@ -65,7 +85,7 @@ def engines_of(choice: str) -> tuple[str, ...]:
 
 def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Path,
                     seed: int = 0, engines: tuple[str, ...] = (ServeSettings.engine,),
-                    repeats: int = 1) -> dict:
+                    repeats: int = 1, shared_prefix: int = 0, prefix_group: int = 4) -> dict:
     """Every (mode, engine) server up at once; each load level runs ``repeats`` times on
     every server in turn (a machine's drifting load hits all alike), and the repeat with
     the median throughput stands for it. The load's client runs in a process of its own,
@@ -109,7 +129,8 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
                          "buckets": list(cfg.graph.buckets), "device": cfg.device,
                          "engines": list(engines), "repeats": repeats, **run_stamp()},
               "jobs": {"count": len(jobs), "prompt_lengths": PROMPT_LENGTHS,
-                       "output_lengths": OUTPUT_LENGTHS, "seed": seed},
+                       "output_lengths": OUTPUT_LENGTHS, "seed": seed,
+                       **prefix_summary(jobs, shared_prefix, prefix_group)},
               "rows": rows, "split_over_thread": split_ratios(rows)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -160,6 +181,12 @@ def markdown(report: dict) -> str:
     for load, ratio in report["split_over_thread"].items():
         each = ", ".join(f"{mode} {value:.2f}x" for mode, value in ratio.items())
         lines.append(f"\nOutput throughput, engine process / engine thread, {load}: {each}")
+    j = report["jobs"]
+    if j["shared_prefix"]:
+        lines.append(f"\nShared prefixes: {j['shared_prefix']} tokens per group of "
+                     f"{j['prefix_group']} prompts; a prefix cache could serve at most "
+                     f"{100 * j['ideal_hit_rate']:.1f}% of the {j['prompt_tokens']} prompt "
+                     f"tokens. This engine has no prefix cache yet: every prefill is cold.")
     return "\n".join(lines)
 
 
@@ -186,10 +213,18 @@ def run_bench_serve_command(args: argparse.Namespace) -> int:
     cfg = bench_config(args)
     loads = [Load("concurrency", c, args.requests, args.time_limit) for c in args.concurrency]
     loads += [Load("rate", r, args.requests, args.time_limit) for r in args.rates]
+    longest = args.shared_prefix + max(PROMPT_LENGTHS) + max(OUTPUT_LENGTHS)
+    room = cfg.pool.max_context - cfg.speculative.num_steps  # (the verify lookahead)
+    if longest > room:
+        raise InputError(f"bench-serve: --shared-prefix {args.shared_prefix} + the longest "
+                         f"prompt ({max(PROMPT_LENGTHS)}) and output ({max(OUTPUT_LENGTHS)}) "
+                         f"tokens exceed the {room} positions a request may use "
+                         f"(pool.max_context {cfg.pool.max_context})")
     vocab = load_config(resolve_checkpoint(cfg.checkpoint) / "config.json").vocab_size
-    jobs = make_jobs(vocab, args.requests, args.seed)
+    jobs = make_jobs(vocab, args.requests, args.seed, args.shared_prefix, args.prefix_group)
     report = run_bench_serve(cfg, loads, jobs, Path(args.out), args.seed,
-                             engines_of(args.engine), args.repeats)
+                             engines_of(args.engine), args.repeats, args.shared_prefix,
+                             args.prefix_group)
     print(markdown(report))
     print(f"wrote serve_bench.json, serve_bench.md and serve_bench.png in {args.out}")
     return 0

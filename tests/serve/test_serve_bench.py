@@ -11,7 +11,8 @@ import pytest
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
 from nextn_graph.serve.bench import Load
-from nextn_graph.serve.bench_command import engines_of, make_jobs, run_bench_serve
+from nextn_graph.serve.bench_command import (engines_of, make_jobs, prefix_summary,
+                                             run_bench_serve)
 
 
 def test_bench_serve_small_load(tmp_path):
@@ -72,3 +73,41 @@ def test_bench_serve_refuses_bad_levels(argv, capsys):
 def test_bench_serve_bounds_requests(capsys):
     assert main(["bench-serve", "--requests", "5000"]) == 2
     assert "bounded" in capsys.readouterr().err
+
+
+def test_shared_prefix_jobs_and_their_ideal_hit_rate():
+    """--shared-prefix: each group of prompts starts with the same tokens, the next group
+    with others; the ideal hit rate is every job but its group's first finding the prefix.
+    Without it the jobs are those of before (the same draws)."""
+    plain = make_jobs(256, 6, seed=3)
+    assert make_jobs(256, 6, seed=3, shared_prefix=0) == plain
+    jobs = make_jobs(256, 6, seed=3, shared_prefix=40, group=4)
+    heads = [tuple(j.prompt[:40]) for j in jobs]
+    assert heads[0] == heads[1] == heads[2] == heads[3] != heads[4] == heads[5]
+    assert [len(j.prompt) - 40 for j in jobs] == [len(j.prompt) for j in plain]
+    s = prefix_summary(jobs, 40, 4)
+    prompt = sum(len(j.prompt) for j in jobs)
+    assert s["shareable_tokens"] == 4 * 40 and s["prompt_tokens"] == prompt
+    assert s["ideal_hit_rate"] == round(160 / prompt, 4)
+    assert prefix_summary(plain, 0, 4)["ideal_hit_rate"] == 0.0
+
+
+def test_a_shared_prefix_too_long_for_the_context_is_refused(capsys):
+    assert main(["bench-serve", "--shared-prefix", "1000", "--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--shared-prefix 1000" in err and "pool.max_context 512" in err
+
+
+def test_bench_serve_with_shared_prefixes(tmp_path):
+    """Prompts sharing a prefix serve like any others (both modes agree) and the report
+    says what a prefix cache could serve of them."""
+    cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 256},
+                          graph={"sampling": False})
+    jobs = make_jobs(256, 4, seed=7, shared_prefix=48, group=2)
+    report = run_bench_serve(cfg, [Load("concurrency", 2, 4, 60.0)], jobs, tmp_path,
+                             engines=("thread",), shared_prefix=48, prefix_group=2)
+    assert all(r["failed"] == 0 and r["same_tokens"] == "4/4" for r in report["rows"])
+    j = report["jobs"]
+    assert j["shared_prefix"] == 48 and j["shareable_tokens"] == 2 * 48
+    assert "Shared prefixes: 48 tokens per group of 2 prompts" in (
+        tmp_path / "serve_bench.md").read_text()

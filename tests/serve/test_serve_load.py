@@ -23,16 +23,18 @@ from serve_support import metric, scrape, wait_idle
 
 REQUESTS, CONCURRENCY, ROWS, MAX_CONTEXT = 200, 32, 8, 192
 OUTPUT_LENGTHS = (8, 24, 48)
+CANCEL_TOKENS = 140  # prompts < 40 + 140 + the verify lookahead fit MAX_CONTEXT
 
 
 def _plan(seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     lengths = [rng.randrange(3, 40) for _ in range(REQUESTS)]
     prompts = corpus_prompts(seed + 1, lengths)
-    # a cancelled request asks for the longest output, so it is still running when its
-    # client goes away after the first chunk (a round commits at most N = 4 tokens)
+    # a cancelled request asks for far more than any other (a round commits at most N = 4
+    # tokens), so it is still running when its client goes away after the first chunk,
+    # even where a loaded host is slow to schedule that client's thread
     return [{"i": i, "prompt": p, "stream": i % 2 == 0, "cancel": i % 10 == 5,
-             "max_tokens": OUTPUT_LENGTHS[-1] if i % 10 == 5 else rng.choice(OUTPUT_LENGTHS)}
+             "max_tokens": CANCEL_TOKENS if i % 10 == 5 else rng.choice(OUTPUT_LENGTHS)}
             for i, p in enumerate(prompts)]
 
 

@@ -18,6 +18,7 @@ from typing import Hashable, Iterable, Mapping
 
 from ..errors import CapacityError
 from ..labels import KV_CACHE
+from .pool import check_counts
 
 profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
 
@@ -29,10 +30,7 @@ def pages_for(positions: int, page_size: int) -> int:
 
 class PagePool:
     def __init__(self, num_pages: int, page_size: int):
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise CapacityError(f"page pool {name} must be an int of at least 1, "
-                                    f"got {value!r}")
+        check_counts("page pool", num_pages=num_pages, page_size=page_size)
         self.num_pages, self.page_size = num_pages, page_size  # usable pages: 1..num_pages
         self._free = list(range(num_pages, 0, -1))  # popped from the end: low ids first
         self._refs: dict[int, int] = {}  # page -> holders, for pages handed out
@@ -40,10 +38,6 @@ class PagePool:
     @property
     def free_pages(self) -> int:
         return len(self._free)
-
-    @property
-    def used_pages(self) -> int:
-        return len(self._refs)
 
     def refcount(self, page: int) -> int:
         return self._refs.get(page, 0)

@@ -221,11 +221,17 @@ def device_memory_bytes(device: torch.device | str) -> int | None:
     return None
 
 
-def _check_layout(cfg: CacheDims, layout: PoolLayout) -> None:
-    for key in ("max_requests", "max_context", "verify_width"):
-        value = getattr(layout, key)
+def check_counts(what: str, **counts: object) -> None:
+    """Each of ``counts`` an int of at least 1 (a bool is not); else a CapacityError
+    naming ``what`` and the count."""
+    for key, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CapacityError(f"pool {key} must be an int of at least 1, got {value!r}")
+            raise CapacityError(f"{what} {key} must be an int of at least 1, got {value!r}")
+
+
+def _check_layout(cfg: CacheDims, layout: PoolLayout) -> None:
+    check_counts("pool", max_requests=layout.max_requests, max_context=layout.max_context,
+                 verify_width=layout.verify_width)
     if layout.max_context > cfg.max_position_embeddings:
         raise CapacityError(
             f"max_context {layout.max_context} exceeds the model's "

@@ -17,7 +17,7 @@ from .stats import SpecStats
 
 
 def samples(reqs: list[Request]) -> bool:
-    return any(not r.sampling.greedy for r in reqs)
+    return any(r.samples for r in reqs)
 
 
 class RoundDriver:
@@ -71,7 +71,7 @@ class RoundDriver:
         if self.tp.parallel:  # takes host lengths then, see config/graph.py)
             try:
                 self.tp.channel.send_round(self.engine_id, slots, lengths,
-                                           [not r.sampling.greedy for r in reqs])
+                                           [r.samples for r in reqs])
             except Exception as exc:
                 self.sched.fail_all(reqs, exc, "decode round")
                 self.inflight.clear()

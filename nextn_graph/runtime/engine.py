@@ -115,6 +115,8 @@ class SpecEngine:
                                  self.tp, self.engine_id, self.num_steps, penalties)
         self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,
                                   self.engine_id, overlap=graph.overlap == "on")
+        self.request_limits = RequestLimits(self.cfg, self.max_context, self.lookahead,
+                                            self.max_logprobs, self.samples, self.penalizes)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":
@@ -130,19 +132,20 @@ class SpecEngine:
         """Queue a request; a bad one raises here and touches no other request.
         ``logprobs`` / ``prompt_logprobs`` k (at most graph.logprobs): each output /
         prompt token's raw target logprob and its k most likely; None: off."""
+        self._check_alive()
+        return self._queue(NewRequest(prompt, max_new_tokens, stop_ids, sampling, logprobs,
+                                      prompt_logprobs).checked(
+            self.request_limits, f"request {self.scheduler.next_rid}"))
+
+    def _check_alive(self) -> None:
         if self.scheduler.broken:
             raise ParallelError(f"tensor parallelism: this engine's group failed "
                                 f"({self.scheduler.broken}); it takes no more requests")
-        req = NewRequest(prompt, max_new_tokens, stop_ids, sampling, logprobs,
-                         prompt_logprobs).checked(self.request_limits,
-                                                  f"request {self.scheduler.next_rid}")
+
+    def _queue(self, req: NewRequest) -> int:
+        """A checked request into the scheduler's queue -> its rid."""
         return self.scheduler.add(req.prompt, req.max_new_tokens, req.stop_ids, req.sampling,
                                   req.logprobs, req.prompt_logprobs)
-
-    @property
-    def request_limits(self) -> RequestLimits:
-        return RequestLimits(self.cfg, self.max_context, self.lookahead, self.max_logprobs,
-                             self.samples, self.penalizes)
 
     def abort(self, rid: int) -> bool:
         """Drop a request: its row returns to the pool at once and ``step()`` returns
@@ -193,8 +196,8 @@ class SpecEngine:
                                  self.request_limits)
         start = time.perf_counter()
         before, counters_before = self.stats.snapshot(), self.chunks.counters.snapshot()
-        rids = [self.add_request(r.prompt, r.max_new_tokens, r.stop_ids, r.sampling)
-                for r in requests]
+        self._check_alive()
+        rids = [self._queue(r) for r in requests]  # (checked above, once)
         index = {rid: i for i, rid in enumerate(rids)}
         outputs: list[list[int]] = [[] for _ in rids]
         errors: dict[int, str] = {}  # by prompt index

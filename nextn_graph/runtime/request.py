@@ -47,6 +47,11 @@ class Request:
     prompt_lps: list[TokenLogprob] = field(default_factory=list)
 
     @property
+    def samples(self) -> bool:
+        """Its rounds run the sampling variants (temperature > 0)."""
+        return not self.sampling.greedy
+
+    @property
     def committed(self) -> int:
         """Committed length L: all output but the bonus has target KV."""
         return len(self.prompt) + len(self.output) - 1

@@ -33,7 +33,7 @@ class SlotMap:
         return row + copy * self.rows
 
     def slots(self, reqs: Iterable[Slotted]) -> list[int]:
-        return [r.row + r.copy * self.rows for r in reqs]
+        return [self.slot(r.row, r.copy) for r in reqs]
 
     def row(self, slot: int) -> int:
         return slot % self.rows

@@ -1,4 +1,4 @@
-"""The ``pool:`` section: the KV pool's request rows and positions per request."""
+"""The ``pool:`` section: the KV pool's request rows, positions per request and pages."""
 
 from __future__ import annotations
 
@@ -11,12 +11,20 @@ from ..errors import ConfigError
 class PoolConfig:
     max_requests: int = 8  # request rows in the KV pool (row 0 is padding, extra)
     max_context: int = 512  # positions per request: prompt + output + N
+    page_size: int = 256  # positions of a page of compressed KV (a multiple of 128)
+    num_pages: int = 0  # pages shared by the requests; 0: every row can reach max_context
 
 
 def check_pool(pool: PoolConfig, verify_width: int, where: str) -> None:
     if pool.max_requests < 1:
         raise ConfigError(f"{where}: key 'pool.max_requests' must be at least 1, "
                           f"got {pool.max_requests}")
+    if pool.page_size < 1:
+        raise ConfigError(f"{where}: key 'pool.page_size' must be at least 1, "
+                          f"got {pool.page_size}")
+    if pool.num_pages < 0:
+        raise ConfigError(f"{where}: key 'pool.num_pages' must be at least 0 (0: enough "
+                          f"for every row at max_context), got {pool.num_pages}")
     if pool.max_context < verify_width + 1:
         raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
                           f"than one verify window plus a prompt token")

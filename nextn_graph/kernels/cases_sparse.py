@@ -23,6 +23,7 @@ from .cases import Case, Widths, _bytes
 
 SPARSE_CONTEXTS = (4096, 131072)
 WINDOW, INDEX_TOPK, INDEX_HEADS, INDEX_DIM = 128, 512, 64, 128
+PAGE_SIZE = 256  # positions of a KV page (the pools' default, SGLang's for V4)
 
 
 def _bits(shape, gen: torch.Generator, fp8: bool) -> Tensor:
@@ -98,16 +99,19 @@ def sparse_cases(rows: int, w: Widths, dtype: torch.dtype, device: str, gen: tor
         keys = randn(n, INDEX_DIM)
         iq = randn(t, INDEX_HEADS, INDEX_DIM, scale=INDEX_DIM ** -0.5)
         iw = randn(t, INDEX_HEADS, scale=INDEX_HEADS ** -0.5)
-        base = torch.zeros(t, device=device, dtype=torch.int64)
+        per_page = PAGE_SIZE // 4  # the keys as consecutive pages of one request
+        pages = torch.arange(-(-n // per_page), device=device, dtype=torch.int32).expand(t, -1)
         count = torch.full((t,), n, device=device, dtype=torch.int32)
+        sa = (iq, iw, keys, pages, per_page, count, n)
         out.append(Case(f"index_scores_ctx{ctx}",
-                        lambda a=(iq, iw, keys, base, count, n): indexer.index_scores(*a),
-                        lambda a=(iq, iw, keys, base, count, n): indexer.index_scores_reference(*a),
+                        lambda a=sa: indexer.index_scores(*a),
+                        lambda a=sa: indexer.index_scores_reference(*a),
                         _bytes(iq, iw) + t * n * (INDEX_DIM * keys.element_size() + 4)))
         scores = torch.randn(t, n, generator=gen).to(device)
         k = min(INDEX_TOPK, n)
         out.append(Case(f"index_topk_ctx{ctx}",
-                        lambda a=(scores, count, base, k): indexer.index_topk(*a),
-                        lambda a=(scores, count, base, k): indexer.index_topk_reference(*a),
+                        lambda a=(scores, count, pages, per_page, k): indexer.index_topk(*a),
+                        lambda a=(scores, count, pages, per_page, k):
+                            indexer.index_topk_reference(*a),
                         _bytes(scores) + t * k * 4))
     return out

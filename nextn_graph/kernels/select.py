@@ -60,8 +60,8 @@ class Kernels:
     # keys and runs the reference attention, indexer and compressor (``model/``).
     # (q, ring, chunk, swa_idx, swa_count, entries, cmp_idx, cmp_count, sink, scale, ratio)
     sparse_attn: Callable[..., Any] | None = None
-    index_scores: Callable[..., Any] | None = None  # (q, w, keys, base, count, n) -> [T, n]
-    index_topk: Callable[..., Any] | None = None  # (scores, count, base, k) -> (rows, n)
+    index_scores: Callable[..., Any] | None = None  # (q, w, keys, pages, per_page, count, n)
+    index_topk: Callable[..., Any] | None = None  # (scores, count, pages, per_page, k)
     # (ring, chunk, cand_idx, positions, ape, norm_weight, eps, rot, ratio, coff) -> [K, d]
     compress_pool: Callable[..., Any] | None = None
 

@@ -1,7 +1,8 @@
 """Triton kernels of the lightning indexer (see ``indexer.py`` for the ops and references).
 
 - ``index_scores_kernel``: program (t, b) scores the entry block b of row t's request,
-  ``scores[t, j] = sum_h relu(q[t, h] . keys[base[t] + j]) * w[t, h]``: one ``tl.dot`` of
+  ``scores[t, j] = sum_h relu(q[t, h] . keys[row(t, j)]) * w[t, h]``, ``row(t, j) =
+  pages[t, j // PER_PAGE] * PER_PAGE + j % PER_PAGE`` (the page table): one ``tl.dot`` of
   q[t] [Hi, di] by the key block [di, BLOCK_E], relu, the head-weighted sum. A block at or
   past the row's ``count`` exits at once: the work follows the request's length, not E.
 - ``index_topk_kernel``: one program per row, a radix select of the n-th largest score
@@ -17,7 +18,8 @@ n-th largest key ``kth`` and ``remaining`` the ties at kth to take. The compacti
 writes, in entry order, every entry above kth and the first ``remaining`` entries equal
 to it (ties go to the lower entry); ``tl.cumsum`` gives each its place. Reads per row:
 9 x count (8 passes + the compaction); 1 x count when count <= k (every entry is chosen:
-the passes are skipped). The rest of rows[t] is then filled with base[t].
+the passes are skipped). Chosen entries are written as key rows through the page table;
+the rest of rows[t] is then filled with entry 0's row.
 
 Under the interpreter (CPU tensors) ``UPCAST`` makes the dot fp32 (its bf16 ``tl.dot``
 is wrong); fp32 dots are ``input_precision="ieee"`` (the GPU's default would be TF32).
@@ -40,25 +42,27 @@ PASSES = 8  # 32 / DIGIT_BITS
 
 
 @triton.jit
-def index_scores_kernel(q_ptr, w_ptr, keys_ptr, base_ptr, count_ptr, scores_ptr,
-                        HI, DI, E, stride_key,
+def index_scores_kernel(q_ptr, w_ptr, keys_ptr, pages_ptr, count_ptr, scores_ptr,
+                        HI, DI, E, stride_key, P, PER_PAGE,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                         UPCAST: tl.constexpr):
-    """q [T, HI, DI], w [T, HI], keys [*, DI] (rows stride_key apart), base [T] int64,
-    count [T] int32 -> scores [T, E] fp32 at j < count[t]; grid (T, cdiv(E, BLOCK_E))."""
+    """q [T, HI, DI], w [T, HI], keys [*, DI] (rows stride_key apart), pages [T, P]
+    int32, count [T] int32 -> scores [T, E] fp32 at j < count[t]; grid (T, cdiv(E,
+    BLOCK_E))."""
     t = tl.program_id(0).to(tl.int64)
     j0 = tl.program_id(1) * BLOCK_E
     count = tl.load(count_ptr + t)
     if j0 >= count:  # past the request's finished entries: nothing to score
         return
-    base = tl.load(base_ptr + t)
     h = tl.arange(0, BLOCK_H)  # [BLOCK_H] heads
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     j = j0 + tl.arange(0, BLOCK_E)  # [BLOCK_E] entries
     h_ok, d_ok, j_ok = h < HI, d < DI, j < count
     q = tl.load(q_ptr + (t * HI + h[:, None]) * DI + d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    k = tl.load(keys_ptr + (base + j[None, :]) * stride_key + d[:, None],
+    page = tl.load(pages_ptr + t * P + j // PER_PAGE, mask=j_ok, other=0).to(tl.int64)
+    key_row = page * PER_PAGE + j % PER_PAGE  # [BLOCK_E]
+    k = tl.load(keys_ptr + key_row[None, :] * stride_key + d[:, None],
                 mask=d_ok[:, None] & j_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_E]
     if UPCAST:
         q, k = q.to(tl.float32), k.to(tl.float32)
@@ -82,16 +86,16 @@ def _key(scores_ptr, row, j, ok):
 
 
 @triton.jit
-def index_topk_kernel(scores_ptr, count_ptr, base_ptr, rows_ptr, n_ptr, E, K,
+def index_topk_kernel(scores_ptr, count_ptr, pages_ptr, rows_ptr, n_ptr, E, K, P, PER_PAGE,
                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DIGITS: tl.constexpr,
                       DIGIT_BITS: tl.constexpr, PASSES: tl.constexpr):
-    """Row t: n = min(K, count); rows[t, :n] = base + the top-n entries of
-    scores[t, :count] (ties to the lower entry) ascending, rows[t, n:] = base. One program
-    per row."""
+    """Row t: n = min(K, count); rows[t, :n] = the key rows (through pages [T, P]) of the
+    top-n entries of scores[t, :count] (ties to the lower entry) ascending, rows[t, n:] =
+    entry 0's row. One program per row."""
     t = tl.program_id(0).to(tl.int64)
     row = t * E
     count = tl.load(count_ptr + t)
-    base = tl.load(base_ptr + t)
+    base = tl.load(pages_ptr + t * P) * PER_PAGE  # entry 0's row: the unused slots'
     n = tl.minimum(count, K)
     offs = tl.arange(0, BLOCK)  # [BLOCK]
     bins = tl.arange(0, DIGITS)  # [DIGITS]
@@ -130,7 +134,8 @@ def index_topk_kernel(scores_ptr, count_ptr, base_ptr, rows_ptr, n_ptr, E, K,
         tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         chosen = (ok & (key > kth)) | (tie & (tie_rank < remaining))
         place = written + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(rows_ptr + t * K + place, (base + j).to(tl.int32), mask=chosen)
+        page = tl.load(pages_ptr + t * P + j // PER_PAGE, mask=chosen, other=0)
+        tl.store(rows_ptr + t * K + place, page * PER_PAGE + j % PER_PAGE, mask=chosen)
         written += tl.sum(chosen.to(tl.int32), axis=0)
         ties += tl.sum(tie.to(tl.int32), axis=0)
     for s0 in range(0, K, BLOCK_K):  # the unused slots: a safe row
@@ -144,16 +149,18 @@ def index_topk_kernel(scores_ptr, count_ptr, base_ptr, rows_ptr, n_ptr, E, K,
 
 BUILDS: list[Build] = [
     *(Build(index_scores_kernel,
-            signature={"q_ptr": dt, "w_ptr": dt, "keys_ptr": dt, "base_ptr": "*i64",
+            signature={"q_ptr": dt, "w_ptr": dt, "keys_ptr": dt, "pages_ptr": "*i32",
                        "count_ptr": "*i32", "scores_ptr": "*fp32", "HI": "i32", "DI": "i32",
-                       "E": "i32", "stride_key": "i32", "BLOCK_H": "constexpr",
+                       "E": "i32", "stride_key": "i32", "P": "i32", "PER_PAGE": "i32",
+                       "BLOCK_H": "constexpr",
                        "BLOCK_D": "constexpr", "BLOCK_E": "constexpr", "UPCAST": "constexpr"},
             constexprs={"BLOCK_H": 64, "BLOCK_D": 128, "BLOCK_E": SCORE_BLOCK_E,
                         "UPCAST": False})
       for dt in ("*bf16", "*fp32")),
     Build(index_topk_kernel,
-          signature={"scores_ptr": "*fp32", "count_ptr": "*i32", "base_ptr": "*i64",
+          signature={"scores_ptr": "*fp32", "count_ptr": "*i32", "pages_ptr": "*i32",
                      "rows_ptr": "*i32", "n_ptr": "*i32", "E": "i32", "K": "i32",
+                     "P": "i32", "PER_PAGE": "i32",
                      "BLOCK": "constexpr", "BLOCK_K": "constexpr", "DIGITS": "constexpr",
                      "DIGIT_BITS": "constexpr", "PASSES": "constexpr"},
           constexprs={"BLOCK": TOPK_BLOCK, "BLOCK_K": 512, "DIGITS": DIGITS,

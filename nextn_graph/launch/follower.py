@@ -2,7 +2,8 @@
 
 Rank 0 runs the user's program (a server, ``generate``, the bench) and its engines
 send each decision over the group's ``Channel``: build an engine (every rank then
-builds and captures the same one), prefill prompt chunks into rows, run a round over
+builds and captures the same one), prefill prompt chunks into rows (and the pages rank 0
+gave them), run a round over
 slots, run a mirrored call (reference decoding), ping (an idle server: rank 0 is
 alive), shut down. A follower never reads tokens back and never decides
 (``follow_prefill``, ``follow_round``): its state follows rank 0's exactly because
@@ -82,8 +83,11 @@ def load_and_follow(group: TPGroup, cfg) -> int:
 
 @torch.no_grad()
 def follow_prefill(engine: SpecEngine, chunks: list[Chunk], nexts: list[int | None],
-                   params: list[SamplingParams]) -> None:
-    """Rank 0's prefill of a step's chunks, without reading the bonus tokens back."""
+                   params: list[SamplingParams], tables: list[tuple[int, list[int]]]) -> None:
+    """Rank 0's prefill of a step's chunks, without reading the bonus tokens back; the
+    requests it admitted get the page-table rows it allocated (``tables``: (row, pages))."""
+    for row, pages in tables:
+        engine.models.target_pool.write_table(row, pages)
     engine.prefill.run_chunks(chunks, nexts, params)
 
 

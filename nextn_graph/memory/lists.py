@@ -1,6 +1,7 @@
 """Index lists: which pool rows each row of a forward reads, as fixed-size lists with a
 valid count (the interface of the sparse kernels, ``kernels/attention.py``,
-``kernels/compress.py``, ``kernels/indexer.py``; a paged KV fills the same lists later).
+``kernels/compress.py``, ``kernels/indexer.py``); compressed entries are listed through
+the pool's page table (``CompressedCache.rows``).
 
 A list entry is a row of one of two sources: ``v >= 0`` is row ``v`` of the pool tensor,
 ``v < 0`` row ``-1 - v`` of this forward's own rows (positions at or after the request's
@@ -19,7 +20,7 @@ import torch
 from ..errors import CapacityError
 from ..labels import KV_CACHE
 from .batch import ForwardBatch, ForwardPlan
-from .pool import Ring
+from .pool import CompressedCache, Ring
 
 profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
 
@@ -64,27 +65,29 @@ def candidate_list(plan: ForwardPlan, ring: Ring, span: int) -> torch.Tensor:
     return plan.memo(("candidate_list", ring.size, span), make)
 
 
-def entry_base(plan: ForwardPlan, per_request: int) -> torch.Tensor:
-    """[T] int64: the pool row of entry 0 of each row's request (``per_request`` entry
-    slots a request: ``CompressedCache.per_request``)."""
-    return plan.memo(("entry_base", per_request), lambda: plan.batch.req_index * per_request)
-
-
 def finished_count(plan: ForwardPlan, ratio: int, n: int) -> torch.Tensor:
     """[T] int32: finished entries of each row's request, ``min((p + 1) // ratio, n)``."""
     return plan.memo(("finished_count", ratio, n), lambda: torch.clamp(
         (plan.batch.positions + 1) // ratio, max=n).to(torch.int32))
 
 
-def entry_list(plan: ForwardPlan, per_request: int,
+def flat_pages(plan: ForwardPlan) -> torch.Tensor:
+    """[T, 1] int32: one page, 0, for every row: the page table of a flat entry tensor
+    (one sequence's, nothing cached), read with ``per_page`` its length."""
+    return plan.memo("flat_pages", lambda: torch.zeros(
+        plan.batch.num_rows, 1, dtype=torch.int32, device=plan.batch.positions.device))
+
+
+def entry_list(plan: ForwardPlan, cache: CompressedCache | None, n: int,
                ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every finished entry of each row's request, in entry order (C128 attention):
-    -> (rows [T, per_request] int32, count [T] int32)."""
-    n = per_request
-
+    -> (rows [T, n] int32, count [T] int32), through the pool's page table (``cache``),
+    or of a flat tensor of ``n`` entries (None)."""
     def make() -> torch.Tensor:
+        if cache is not None:
+            return cache.rows(plan).to(torch.int32)
         j = torch.arange(n, device=plan.batch.positions.device)  # [E]
-        return (entry_base(plan, n).unsqueeze(1) + j).to(torch.int32)
+        return j.expand(plan.batch.num_rows, n).to(torch.int32)
     return plan.memo(("entry_list", n), make), finished_count(plan, ratio, n)
 
 

@@ -7,8 +7,8 @@ sequence, and the prefix cache holds one on each page it keeps, so a shared pref
 stored once and freed when its last holder lets go. Page 0 is never handed out: it is
 the sink of writes that must land nowhere, as pool row 0 is.
 
-Host only. The device side (page tables as static graph inputs) reads the ids this
-allocator hands out.
+Host only. The device side (``KVPool.table``, the page table every forward reads) holds
+the ids this allocator hands out.
 """
 
 from __future__ import annotations
@@ -18,9 +18,18 @@ from typing import Hashable, Iterable, Mapping
 
 from ..errors import CapacityError
 from ..labels import KV_CACHE
-from .pool import check_counts
 
 profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
+
+PAGE_SIZE = 256  # positions of a page unless configured (SGLang's for DeepSeek-V4)
+
+
+def check_counts(what: str, **counts: object) -> None:
+    """Each of ``counts`` an int of at least 1 (a bool is not); else a CapacityError
+    naming ``what`` and the count."""
+    for key, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CapacityError(f"{what} {key} must be an int of at least 1, got {value!r}")
 
 
 def pages_for(positions: int, page_size: int) -> int:

@@ -1,22 +1,26 @@
-"""Token-to-KV pools: per-layer SWA rings, compressed-entry pools, compressor rings.
+"""Token-to-KV pools: per-layer SWA rings, compressor rings, paged compressed entries.
 
-Layout. Every request owns one *request row* ``r`` (``1..max_requests``); row 0
-is reserved for padding and for writes that must land nowhere. Each per-request
-structure is a fixed-stride range indexed by absolute position, so request ``r``
-at position ``p`` lives at
+Layout. Every request owns one *request row* ``r`` (``1..max_requests``) and the *pages*
+its positions reach (``page_size`` positions each, ids from ``pages.PagePool``); row 0
+and page 0 are reserved for padding and for writes that must land nowhere. The rings
+are window-bounded, so they stay per row; the compressed entries grow with the context,
+so they live in pages, addressed through the page table ``table[r]`` (the request's page
+ids in position order, 0 past them). Request ``r`` at position ``p`` lives at
 
 - SWA ring:             ``r * swa_ring + p % swa_ring``   (swa_ring >= window + N - 1)
 - compressor raw ring:  ``r * raw_ring + p % raw_ring``   (raw_ring >= coff*ratio + N - 1)
-- compressed entry j:   ``r * entries + j``               (entries = max_context // ratio)
+- compressed entry j:   ``table[r, j // E] * E + j % E``  (E = page_size // ratio)
 
 N is the largest verify window. The ring slack ``N - 1`` is what makes commit by
 length work: positions written by a rejected speculation are overwritten by the
 next round before anything valid reads them, and they never clobber a position
-the next round still needs. The NextN draft gets its own SWA-only pool with the
-same request numbering as the target.
+the next round still needs. The NextN draft gets its own SWA-only pool (no pages)
+with the same request numbering as the target.
 
-Sizes come from ``LayerShape``: ``pool_nbytes`` gives a pool's bytes before anything
-is allocated, and ``KVPool`` refuses a pool larger than its device's memory.
+The table is a pool tensor like the KV itself: graphs read it in place, and ``alloc``
+writes a request's row before its prefill, so no graph input moves. Sizes come from
+``LayerShape``: ``pool_nbytes`` gives a pool's bytes before anything is allocated, and
+``KVPool`` refuses a pool larger than its device's memory.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Protocol
 import torch
 
 from ..errors import CapacityError
+from ..kernels.indexer import key_rows
 from ..labels import KV_CACHE
 from .batch import ForwardPlan
+from .pages import PAGE_SIZE, PagePool, check_counts, pages_for
 
 profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
 
@@ -49,10 +55,22 @@ class PoolLayout:
     max_requests: int  # real requests; the pool holds one more row (row 0, padding)
     max_context: int  # positions per request, prompt and output together
     verify_width: int  # N, the largest window one forward writes per request
+    page_size: int = PAGE_SIZE  # positions of a page of compressed entries
+    num_pages: int = 0  # pages of the pool; 0: every request can reach max_context
 
     @property
     def rows(self) -> int:
         return self.max_requests + 1
+
+    @property
+    def pages_per_request(self) -> int:
+        """Page-table columns: the pages of a request at max_context."""
+        return pages_for(self.max_context, self.page_size)
+
+    @property
+    def pages(self) -> int:
+        """Usable pages (page 0, the sink, is one more)."""
+        return self.num_pages or self.max_requests * self.pages_per_request
 
 
 @dataclass(frozen=True)
@@ -113,11 +131,27 @@ class Ring:
 
 @dataclass
 class CompressedCache:
-    """A compressor's state for one layer: raw per-position ring and finished entries."""
+    """A compressor's state for one layer: raw per-position ring and finished entries,
+    the entries in pages. Entry j of request row r is row ``table[r, j // per_page] *
+    per_page + j % per_page`` of ``entries`` (``table``: the pool's page table, one for
+    every layer; page 0 is the sink of writes that land nowhere)."""
 
     raw: Ring  # [rows * raw_ring, 2 * coff * d]: pooled values, then gate scores (+ape)
-    entries: torch.Tensor  # [rows * per_request, d]
-    per_request: int  # entries per request = max_context // ratio
+    entries: torch.Tensor  # [(num_pages + 1) * per_page, d]
+    per_request: int  # entries a request can finish: max_context // ratio, at least 1
+    per_page: int  # entries of one page: page_size // ratio
+    table: torch.Tensor  # [rows, pages_per_request] int32: the pool's page table
+
+    def pages(self, plan: ForwardPlan) -> torch.Tensor:
+        """[T, P] int32: the page ids of each row's request (one gather per forward)."""
+        return plan.memo("request_pages", lambda: self.table[plan.batch.req_index])
+
+    def rows(self, plan: ForwardPlan) -> torch.Tensor:
+        """[T, per_request] int64: the ``entries`` row of each entry slot of each row's
+        request (once per forward and entry size)."""
+        return plan.memo(("entry_rows", self.per_page, self.per_request), lambda: key_rows(
+            self.pages(plan), self.per_page, torch.arange(
+                self.per_request, device=self.table.device).expand(plan.batch.num_rows, -1)))
 
     def write_entries(self, entry: torch.Tensor, plan: ForwardPlan, ratio: int) -> None:
         """Rows closing a block (``(p+1) % ratio == 0``) store entry ``(p+1)//ratio - 1``;
@@ -125,21 +159,20 @@ class CompressedCache:
         def make() -> torch.Tensor:
             b = plan.batch
             closes = (b.positions + 1) % ratio == 0
-            slot = b.req_index * self.per_request + (b.positions + 1) // ratio - 1
-            return slot * closes  # slot 0 for rows closing no block
-        slot = plan.memo(("entry_write", self.per_request, ratio), make)
+            j = ((b.positions + 1) // ratio - 1).clamp(min=0)  # [K]
+            page = self.table[b.req_index, (j // self.per_page).clamp(
+                max=self.table.shape[1] - 1)].long()
+            return (page * self.per_page + j % self.per_page) * closes  # slot 0: no block
+        slot = plan.memo(("entry_write", self.per_page, ratio), make)
         self.entries.index_copy_(0, slot, entry)
-
-    def _by_request(self) -> torch.Tensor:
-        return self.entries.view(-1, self.per_request, self.entries.shape[-1])
 
     def select_entries(self, plan: ForwardPlan, idx: torch.Tensor) -> torch.Tensor:
         """Entries ``idx`` [T, k] of each row's request: [T, k, d] (one gather)."""
-        return self._by_request()[plan.batch.req_index.unsqueeze(1), idx]
+        return self.entries[self.rows(plan).gather(1, idx)]
 
     def request_entries(self, plan: ForwardPlan) -> torch.Tensor:
         """All entry slots of each row's request: [T, per_request, d]."""
-        return self._by_request()[plan.batch.req_index]
+        return self.entries[self.rows(plan)]
 
 
 @dataclass
@@ -153,13 +186,19 @@ class LayerCache:
 class CompressedShape:
     raw_ring: int  # positions per request of the raw ring: coff*ratio + N - 1
     raw_width: int  # 2 * coff * dim: pooled values, then gate scores
-    per_request: int  # entries per request: max_context // ratio, at least 1
+    per_request: int  # entries a request can finish: max_context // ratio, at least 1
+    per_page: int  # entries of one page: page_size // ratio
     dim: int
 
     @property
-    def elements(self) -> int:
-        """Elements per request row."""
-        return self.raw_ring * self.raw_width + self.per_request * self.dim
+    def row_elements(self) -> int:
+        """Elements per request row (the raw ring)."""
+        return self.raw_ring * self.raw_width
+
+    @property
+    def page_elements(self) -> int:
+        """Elements per page (the entries)."""
+        return self.per_page * self.dim
 
 
 @dataclass(frozen=True)
@@ -177,27 +216,39 @@ class LayerShape:
 
         def compressed(dim: int) -> CompressedShape:
             coff = 2 if ratio == 4 else 1  # C4 entries overlap the previous block
-            # >= 1 entry per request: slot 0 is the sink of rows closing no block
             return CompressedShape(coff * ratio + n - 1, 2 * coff * dim,
-                                   max(1, layout.max_context // ratio), dim)
+                                   max(1, layout.max_context // ratio),
+                                   layout.page_size // ratio, dim)
 
         return cls(cfg.sliding_window + n - 1, cfg.head_dim,
                    compressed(cfg.head_dim) if ratio else None,
                    compressed(cfg.index_head_dim) if ratio == 4 else None)
 
     @property
-    def elements(self) -> int:
-        """Elements per request row."""
-        return self.swa_ring * self.head_dim + sum(
-            c.elements for c in (self.compressed, self.index) if c is not None)
+    def parts(self) -> tuple[CompressedShape, ...]:
+        return tuple(c for c in (self.compressed, self.index) if c is not None)
+
+    @property
+    def row_elements(self) -> int:
+        """Elements per request row: the SWA ring and the raw rings."""
+        return self.swa_ring * self.head_dim + sum(c.row_elements for c in self.parts)
+
+    @property
+    def page_elements(self) -> int:
+        """Elements per page: the compressed entries and the indexer's keys."""
+        return sum(c.page_elements for c in self.parts)
 
 
 def pool_nbytes(cfg: CacheDims, layout: PoolLayout, ratios: list[int],
                 dtype: torch.dtype) -> int:
     """Bytes a ``KVPool`` of this layout takes, computed before allocating anything;
-    equals ``KVPool.nbytes()`` of the built pool."""
-    elements = sum(LayerShape.of(cfg, layout, r).elements for r in ratios)
-    return layout.rows * elements * dtype.itemsize
+    equals ``KVPool.nbytes()`` of the built pool: request rows (rings), pages (entries)
+    and the page table (int32) where any layer has compressed entries."""
+    shapes = [LayerShape.of(cfg, layout, r) for r in ratios]
+    rows = layout.rows * sum(s.row_elements for s in shapes)
+    pages = (layout.pages + 1) * sum(s.page_elements for s in shapes)
+    table = layout.rows * layout.pages_per_request * 4 if any(s.parts for s in shapes) else 0
+    return (rows + pages) * dtype.itemsize + table
 
 
 def physical_memory_bytes() -> int | None:
@@ -221,39 +272,48 @@ def device_memory_bytes(device: torch.device | str) -> int | None:
     return None
 
 
-def check_counts(what: str, **counts: object) -> None:
-    """Each of ``counts`` an int of at least 1 (a bool is not); else a CapacityError
-    naming ``what`` and the count."""
-    for key, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise CapacityError(f"{what} {key} must be an int of at least 1, got {value!r}")
-
-
-def _check_layout(cfg: CacheDims, layout: PoolLayout) -> None:
+def _check_layout(cfg: CacheDims, layout: PoolLayout, ratios: list[int]) -> None:
     check_counts("pool", max_requests=layout.max_requests, max_context=layout.max_context,
-                 verify_width=layout.verify_width)
+                 verify_width=layout.verify_width, page_size=layout.page_size)
     if layout.max_context > cfg.max_position_embeddings:
         raise CapacityError(
             f"max_context {layout.max_context} exceeds the model's "
             f"max_position_embeddings {cfg.max_position_embeddings}")
+    if not isinstance(layout.num_pages, int) or isinstance(layout.num_pages, bool) or \
+            layout.num_pages < 0:
+        raise CapacityError(f"pool num_pages must be an int of at least 0 (0: enough for "
+                            f"every request at max_context), got {layout.num_pages!r}")
+    for r in sorted({r for r in ratios if r}):
+        if layout.page_size % r:
+            raise CapacityError(f"pool page_size {layout.page_size} is not a multiple of the "
+                                f"compress ratio {r}: a page must hold whole entries")
 
 
 class KVPool:
-    """All KV storage of one model, plus the host-side request-row allocator."""
+    """All KV storage of one model, plus the host-side allocator of request rows and
+    pages. A request holds one row (its rings) and the pages its positions reach (its
+    compressed entries); ``alloc`` takes both or neither."""
 
     def __init__(self, cfg: CacheDims, layout: PoolLayout, ratios: list[int],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        _check_layout(cfg, layout)
+        _check_layout(cfg, layout, ratios)
         need, have = pool_nbytes(cfg, layout, ratios, dtype), device_memory_bytes(device)
         if have is not None and need > have:
             where = "physical" if torch.device(device).type == "cpu" else "free device"
             raise CapacityError(
                 f"the KV pool of max_requests {layout.max_requests} x max_context "
-                f"{layout.max_context} (verify width {layout.verify_width}, {len(ratios)} "
-                f"layers, {dtype}) needs {need / 2**30:.1f} GiB, more than the "
-                f"{have / 2**30:.1f} GiB of {where} memory on {device}")
+                f"{layout.max_context} ({layout.pages} pages of {layout.page_size}, verify "
+                f"width {layout.verify_width}, {len(ratios)} layers, {dtype}) needs "
+                f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {where} "
+                f"memory on {device}")
         self.layout = layout
         rows = layout.rows
+        shapes = [LayerShape.of(cfg, layout, r) for r in ratios]
+        paged = any(s.parts for s in shapes)
+        # [rows, P] int32: each request row's page ids, 0 (the sink) past its pages
+        self.table = torch.zeros(rows, layout.pages_per_request if paged else 0,
+                                 dtype=torch.int32, device=device)
+        self.pages = PagePool(layout.pages, layout.page_size) if paged else None
 
         def ring(size: int, width: int) -> Ring:
             return Ring(torch.zeros(rows * size, width, device=device, dtype=dtype), size)
@@ -261,31 +321,85 @@ class KVPool:
         def compressed(shape: CompressedShape | None) -> CompressedCache | None:
             if shape is None:
                 return None
-            entries = torch.zeros(rows * shape.per_request, shape.dim, device=device, dtype=dtype)
+            entries = torch.zeros((layout.pages + 1) * shape.per_page, shape.dim,
+                                  device=device, dtype=dtype)
             return CompressedCache(ring(shape.raw_ring, shape.raw_width), entries,
-                                   shape.per_request)
+                                   shape.per_request, shape.per_page, self.table)
 
-        shapes = [LayerShape.of(cfg, layout, r) for r in ratios]
         self.layers = [LayerCache(ring(s.swa_ring, s.head_dim), compressed(s.compressed),
                                   compressed(s.index)) for s in shapes]
         self._free = list(range(layout.max_requests, 0, -1))  # row 0 is never handed out
+        self.held: dict[int, list[int]] = {}  # request row -> its pages, in position order
 
     @property
     def free_rows(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
+    @property
+    def free_pages(self) -> int | None:
+        """Pages free; None where the pool has no pages (no compressed layer)."""
+        return None if self.pages is None else self.pages.free_pages
+
+    @property
+    def max_positions(self) -> int:
+        """The positions one request can hold: every page of the pool, or max_context."""
+        if self.pages is None:
+            return self.layout.max_context
+        return min(self.layout.max_context, self.pages.num_pages * self.layout.page_size)
+
+    def pages_needed(self, positions: int) -> int:
+        """Pages a request whose writes reach ``positions`` positions holds."""
+        if self.pages is None:
+            return 0
+        return pages_for(min(max(positions, 1), self.layout.max_context), self.layout.page_size)
+
+    def fits(self, positions: int) -> bool:
+        """A free row, and pages for ``positions`` (``alloc`` would succeed)."""
+        return bool(self._free) and (self.pages is None or
+                                     self.pages_needed(positions) <= self.pages.free_pages)
+
+    def alloc(self, positions: int | None = None) -> int:
+        """A request row with the pages of ``positions`` positions (None: max_context),
+        its page-table row written; all or nothing."""
         if not self._free:
             raise CapacityError(f"KV pool is full: all {self.layout.max_requests} request rows in use")
-        return self._free.pop()
+        pages = [] if self.pages is None else self.pages.alloc(
+            self.pages_needed(self.layout.max_context if positions is None else positions))
+        row = self._free.pop()
+        self.held[row] = pages
+        self.write_table(row, pages)
+        return row
+
+    def write_table(self, row: int, pages: list[int]) -> None:
+        """Row ``row`` of the device page table: ``pages``, then the sink (a follower rank
+        writes what rank 0 allocated)."""
+        if self.pages is None:
+            return
+        p = self.layout.pages_per_request
+        if len(pages) > p:
+            raise CapacityError(f"{len(pages)} pages exceed a request's {p}")
+        self.table[row] = torch.tensor(pages + [0] * (p - len(pages)), dtype=torch.int32)
 
     def release(self, row: int) -> None:
         if not 1 <= row <= self.layout.max_requests or row in self._free:
             raise CapacityError(f"request row {row} is not allocated")
+        pages = self.held.pop(row, [])
+        if self.pages is not None and pages:
+            self.pages.release(pages)
         self._free.append(row)
 
+    def audit(self) -> None:
+        """No page leaked or held twice, rows and pages agree (tests and debugging)."""
+        rows = set(self._free)
+        if len(rows) != len(self._free) or rows & set(self.held) or \
+                len(rows) + len(self.held) != self.layout.max_requests:
+            raise AssertionError(f"KV pool rows disagree: {len(self._free)} free, "
+                                 f"{len(self.held)} held, of {self.layout.max_requests}")
+        if self.pages is not None:
+            self.pages.audit(self.held)
+
     def nbytes(self) -> int:
-        total = 0
+        total = self.table.nbytes
         for layer in self.layers:
             total += layer.swa.data.nbytes
             for c in (layer.compressed, layer.index):

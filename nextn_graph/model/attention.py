@@ -140,7 +140,8 @@ class Attention(UsesKernels, nn.Module):
             self.compressor.cached(x, plan, cache.compressed, self.rope)
             entries = cache.compressed.entries
             cmp = (self.indexer.selected(x, qr, plan, cache.index, self.rope) if self.ratio == 4
-                   else entry_list(plan, cache.compressed.per_request, self.ratio))
+                   else entry_list(plan, cache.compressed, cache.compressed.per_request,
+                                   self.ratio))
         o = self._attend(q, cache.swa.data, kv, swa, entries, cmp)
         cache.swa.write(kv, plan)
         return self._project_out(o, rot)
@@ -156,7 +157,7 @@ class Attention(UsesKernels, nn.Module):
         if self.ratio and x.shape[0] >= self.ratio:
             entries = self.compressor.dense(x, self.rope)  # [nb, hd]
             cmp = (self.indexer.dense_selected(x, qr, self.rope, plan) if self.ratio == 4
-                   else entry_list(plan, entries.shape[0], self.ratio))
+                   else entry_list(plan, None, entries.shape[0], self.ratio))
         return self._project_out(self._attend(q, kv, kv, swa, entries, cmp), rot)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from ..kernels.compress import pool
 from ..labels import COMPRESSOR, INDEXER
 from ..memory.batch import ForwardPlan
-from ..memory.lists import candidate_list, entry_base, finished_count
+from ..memory.lists import candidate_list, finished_count, flat_pages
 from ..memory.pool import CompressedCache
 from ..parallel.group import TPGroup
 from .config import ModelConfig
@@ -199,13 +199,14 @@ class Indexer(UsesKernels, nn.Module):
         part = torch.bmm(w.unsqueeze(1), relu).squeeze(1)  # the weighted sum over heads
         return self.tp.all_reduce(part)  # [T, E]: the sum over every rank's heads
 
-    def _select(self, x, qr, rot, keys, base, count, n):
+    def _select(self, x, qr, rot, keys, pages, per_page, count, n):
         """A sparse kernel set's scoring and top-k over the ``count`` [T] finished entries
-        of each row's request (``keys`` rows from ``base`` [T]) -> (rows [T, k] int32, n [T])."""
+        of each row's request (``keys`` rows through its page ids ``pages`` [T, P] of
+        ``per_page`` entries) -> (rows [T, k] int32, n [T])."""
         scores = self.kernels.index_scores(self._query(qr, rot), self.weights_proj(x), keys,
-                                           base, count, n)
+                                           pages, per_page, count, n)
         scores = self.tp.all_reduce(scores)  # [T, n]: every rank's heads (past count: unread)
-        return self.kernels.index_topk(scores, count, base, min(self.topk, n))
+        return self.kernels.index_topk(scores, count, pages, per_page, min(self.topk, n))
 
     def selected(self, x, qr, plan: ForwardPlan, cache: CompressedCache,
                  rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,14 +215,15 @@ class Indexer(UsesKernels, nn.Module):
         self.compressor.cached(x, plan, cache, rope)
         n = cache.per_request
         return self._select(x, qr, self._rotation_at(plan, rope), cache.entries,
-                            entry_base(plan, n), finished_count(plan, self.ratio, n), n)
+                            cache.pages(plan), cache.per_page,
+                            finished_count(plan, self.ratio, n), n)
 
     def dense_selected(self, x, qr, rope: RopeTable, plan: ForwardPlan):
         """``dense`` on a sparse kernel set (``plan``: ``lists.sequence_plan``)."""
         keys = self.compressor.dense(x, rope)  # [nb, di]
         n = keys.shape[0]
         return self._select(x, qr, self.rotation(rope, plan.batch.positions), keys,
-                            entry_base(plan, n), finished_count(plan, self.ratio, n), n)
+                            flat_pages(plan), n, finished_count(plan, self.ratio, n), n)
 
     def cached(self, x, qr, plan: ForwardPlan, cache: CompressedCache,
                rope: RopeTable) -> torch.Tensor:

@@ -78,9 +78,15 @@ class SpecEngine:
         check_pool(pool, width, where)
         graph = resolve_graph(check_section(graph or GraphConfig(backend="eager"), where,
                                             "graph."), pool, where)
-        layout = PoolLayout(pool.max_requests, pool.max_context, width)
+        layout = PoolLayout(pool.max_requests, pool.max_context, width, pool.page_size,
+                            pool.num_pages)
         self.max_context = pool.max_context
+        # positions a verify window writes past a request's last output: S - 1, and N
+        # more with overlap (the round launched before the request's end was read)
+        self.lookahead = max(self.num_steps - 1, 0) + (width if graph.overlap == "on" else 0)
         self.models = SpecModels(target, draft, target.new_pool(layout), draft.new_pool(layout))
+        # a request's context is bounded by the pool's pages too (all of them, at most)
+        self.max_context = min(self.max_context, self.models.target_pool.max_positions)
         self.device = target.embed.weight.device
         dtype = target.embed.weight.dtype
         self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
@@ -110,7 +116,7 @@ class SpecEngine:
         self.stats = SpecStats(verify_width=width)
         self.scheduler = Scheduler(self.models.target_pool, self.stats,
                                    sched_cfg.prefill_token_budget,
-                                   self.tp.rank if self.tp.parallel else None)
+                                   self.tp.rank if self.tp.parallel else None, self.lookahead)
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
                                  self.tp, self.engine_id, self.num_steps, penalties)
         self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,
@@ -151,13 +157,6 @@ class SpecEngine:
         """Drop a request: its row returns to the pool at once and ``step()`` returns
         nothing more for it. False when ``rid`` is unknown or already finished."""
         return self.scheduler.abort(rid)
-
-    @property
-    def lookahead(self) -> int:
-        """Positions a verify window writes past a request's last output: S - 1, and N
-        more with overlap (the round launched before the request's end was read)."""
-        extra = self.verify_width if self.rounds.overlap else 0  # a finished request's extra round
-        return max(self.num_steps - 1, 0) + extra
 
     @property
     def has_work(self) -> bool:

@@ -61,8 +61,11 @@ class Prefiller:
         chunks = [Chunk(r.row, r.prefilled, r.prompt[r.prefilled:end]) for r, end in plan]
         nexts = [r.prompt[end] if end < len(r.prompt) else None for r, end in plan]
         params = [r.sampling for r, end in plan if end == len(r.prompt)]
-        if self.tp.parallel:  # the other ranks prefill the same chunks
-            self.tp.channel.send(Message("prefill", self.engine_id, (chunks, nexts, params)))
+        if self.tp.parallel:  # the other ranks prefill the same chunks into the same pages
+            pool = self.models.target_pool
+            tables = [(r.row, pool.held[r.row]) for r, _ in plan if r.prefilled == 0]
+            self.tp.channel.send(Message("prefill", self.engine_id,
+                                         (chunks, nexts, params, tables)))
         rows, k = logprob_rows(plan)
         bonus, lp = self.run_chunks(chunks, nexts, params,
                                     torch.tensor(sum(rows.values(), []), device=self.device)

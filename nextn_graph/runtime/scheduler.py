@@ -36,8 +36,9 @@ class Scheduler:
     every live request (``fail_all``)."""
 
     def __init__(self, pool: KVPool, stats: SpecStats, prefill_budget: int,
-                 rank: int | None = None):
+                 rank: int | None = None, lookahead: int = 0):
         self.pool = pool  # the target pool's rows (the draft pool numbers rows the same)
+        self.lookahead = lookahead  # positions verify windows write past the last output
         self.stats = stats
         self.prefill_budget = prefill_budget  # scheduler.prefill_token_budget: 0 = unlimited
         self.rank = rank
@@ -95,15 +96,24 @@ class Scheduler:
         self.take_waiting()
         return budget_chunks(list(self.prefilling.values()), self.prefill_budget)
 
+    def positions(self, req: Request) -> int:
+        """The positions a request's writes can reach: its pages are reserved at admission,
+        so a running request never runs out."""
+        return len(req.prompt) + req.max_new_tokens + self.lookahead
+
     def take_waiting(self) -> None:
-        """Rows for waiting requests while the pool has rows and the step has budget."""
+        """Rows and pages for waiting requests, first come first served, while the pool has
+        both for the head of the queue and the step has budget."""
         left = self.prefill_budget or sys.maxsize
         left -= sum(len(r.prompt) - r.prefilled for r in self.prefilling.values())
-        while left > 0 and self.num_waiting and self.pool.free_rows:
-            req = self.waiting.popleft()
+        while left > 0 and self.num_waiting:
+            req = self.waiting[0]
+            if not req.finished and not self.pool.fits(self.positions(req)):
+                break
+            self.waiting.popleft()
             if req.finished:  # aborted while waiting
                 continue
-            req.row = self.pool.alloc()
+            req.row = self.pool.alloc(self.positions(req))
             self.num_waiting -= 1
             self.prefilling[req.rid] = req
             left -= len(req.prompt)

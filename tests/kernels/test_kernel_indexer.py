@@ -30,10 +30,15 @@ def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.
 
 
 def _requests(counts: list[int], e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Rows of 3 requests (row t in request (t + seed) % 3) -> (base [T] int64, count [T]
-    int32, pool rows Re = 3 E)."""
+    """Rows of 3 requests (row t in request (t + seed) % 3), each one page of E entries ->
+    (pages [T, 1] int32, count [T] int32, pool rows Re = 3 E)."""
     req = (torch.arange(len(counts)) + seed) % 3
-    return req * e, torch.tensor(counts, dtype=torch.int32), 3 * e
+    return req.to(torch.int32).unsqueeze(1), torch.tensor(counts, dtype=torch.int32), 3 * e
+
+
+def _base(pages: torch.Tensor, e: int) -> torch.Tensor:
+    """[T] the key row of entry 0 of each row's one page of E entries."""
+    return pages[:, 0].long() * e
 
 
 def _finished(count: torch.Tensor, e: int) -> torch.Tensor:
@@ -55,7 +60,8 @@ SCORE_ULPS = 4
 
 
 def _score_inputs(hi, di, e, counts, dtype, seed):
-    base, count, re = _requests(counts, e, seed)
+    pages, count, re = _requests(counts, e, seed)
+    base = _base(pages, e)
     q = _randn(len(counts), hi, di, seed=seed, dtype=dtype) * di ** -0.5  # [T, Hi, di]
     w = _randn(len(counts), hi, seed=seed + 1, dtype=dtype)  # [T, Hi]
     keys = _randn(re, di, seed=seed + 2, dtype=dtype)  # [Re, di]
@@ -65,7 +71,7 @@ def _score_inputs(hi, di, e, counts, dtype, seed):
     last = torch.zeros(3, dtype=torch.long)
     last.scatter_reduce_(0, base // e, count.long(), "amax")
     keys[j >= last[req_of]] = float("nan")
-    return q, w, keys, base, count
+    return q, w, keys, pages, count
 
 
 @pytest.mark.parametrize("case", SCORE_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}")
@@ -74,10 +80,10 @@ def test_scores_match_reference(case, dtype):
     """At j < count within SCORE_ULPS of the fp32 reference (measured: see SCORE_ULPS);
     keys past every row's count are NaN and never reach a score."""
     hi, di, e, counts = case
-    q, w, keys, base, count = _score_inputs(hi, di, e, counts, dtype, seed=hi + di)
-    out = indexer.index_scores(q, w, keys, base, count, e)
-    ref = indexer.index_scores_reference(q, w, keys, base, count, e)
-    terms = indexer.index_scores_reference(q.abs(), w.abs(), keys.abs(), base, count, e)
+    q, w, keys, pages, count = _score_inputs(hi, di, e, counts, dtype, seed=hi + di)
+    out = indexer.index_scores(q, w, keys, pages, e, count, e)
+    ref = indexer.index_scores_reference(q, w, keys, pages, e, count, e)
+    terms = indexer.index_scores_reference(q.abs(), w.abs(), keys.abs(), pages, e, count, e)
     assert out.shape == (len(counts), e) and out.dtype == torch.float32
     done = _finished(count, e)
     assert not out[done].isnan().any()
@@ -105,7 +111,8 @@ def test_scores_match_the_models_indexer_at_bf16(preset, e, positions):
     pos = torch.tensor(positions)
     x = _randn(t, cfg.hidden_size, seed=1, dtype=torch.bfloat16)
     qr = _randn(t, cfg.q_lora_rank, seed=2, dtype=torch.bfloat16)
-    base, _, re = _requests([0] * t, e, seed=1)
+    pages, _, re = _requests([0] * t, e, seed=1)
+    base = _base(pages, e)
     count = ((pos + 1) // 4).clamp(max=e).to(torch.int32)
     keys = _randn(re, ix.head_dim, seed=3, dtype=torch.bfloat16)  # [Re, di] normed-like
     rot = ix.rotation(rope, pos)
@@ -113,8 +120,8 @@ def test_scores_match_the_models_indexer_at_bf16(preset, e, positions):
 
     q = ix.kernels.rope(ix.wq_b(qr).view(t, ix.n_heads, ix.head_dim), rot, False)
     w = ix.weights_proj(x)  # [T, Hi]
-    out = indexer.index_scores(q, w, keys, base, count, e)
-    k = keys.float()[indexer._slots(base, e, re)]  # [T, E, di]
+    out = indexer.index_scores(q, w, keys, pages, e, count, e)
+    k = keys.float()[indexer._slots(pages, e, e)]  # [T, E, di]
     relu = torch.bmm(q.float(), k.transpose(1, 2)).relu()
     scale = torch.bmm(w.float().abs().unsqueeze(1), relu).squeeze(1)  # sum_h |w| relu
     done = _finished(count, e)
@@ -123,25 +130,27 @@ def test_scores_match_the_models_indexer_at_bf16(preset, e, positions):
 
 # -- the top-k ---------------------------------------------------------------------------
 
-def _check_topk(scores, count, base, k):
+def _check_topk(scores, count, pages, per_page, k):
     """Exactly the reference; the set is stable_topk's first n on the same scores with
     unfinished entries masked. Unfinished slots hold NaN for the op (it must not read
     them) and +1e30 for stable_topk (its mask must win)."""
     t, e = scores.shape
     done = _finished(count, e)
-    rows, n = indexer.index_topk(scores.masked_fill(~done, float("nan")), count, base, k)
-    ref_rows, ref_n = indexer.index_topk_reference(scores, count, base, k)
+    rows, n = indexer.index_topk(scores.masked_fill(~done, float("nan")), count, pages,
+                                 per_page, k)
+    ref_rows, ref_n = indexer.index_topk_reference(scores, count, pages, per_page, k)
     assert (rows.dtype, n.dtype) == (torch.int32, torch.int32)
     assert torch.equal(n, ref_n) and torch.equal(rows, ref_rows)
+    entry0 = pages[:, 0].long() * per_page
     for i in range(t):
-        assert (rows[i, n[i]:] == base[i]).all()
+        assert (rows[i, n[i]:] == entry0[i]).all()
     if scores.isinf().any():  # stable_topk's key is inf - inf = NaN there (real scores
         return rows, n  # are finite sums): the reference alone
     picked = stable_topk(scores.masked_fill(~done, 1e30).double(), min(k, e),
                          *stable_topk_terms(done))
     for i in range(t):
-        got = rows[i, : n[i]].long() - base[i]
-        assert torch.equal(got, picked[i, : n[i]].sort().values)
+        want = indexer.key_rows(pages[i:i + 1], per_page, picked[i:i + 1, : n[i]].sort().values)
+        assert torch.equal(rows[i, : n[i]].long(), want[0])
     return rows, n
 
 
@@ -171,17 +180,17 @@ def test_topk_ties_counts_and_the_stable_order(kind, k):
     """E 300, rows with count E, 0, 1, < k, k, > k (tails of the 16-wide tiles): exact."""
     e = 300
     counts = [e, 0, 1, 10, k, 77, 299, e]
-    base, count, _ = _requests(counts, e, seed=k)
-    _check_topk(_tie_scores(kind, len(counts), e, seed=k), count, base, k)
+    pages, count, _ = _requests(counts, e, seed=k)
+    _check_topk(_tie_scores(kind, len(counts), e, seed=k), count, pages, e, k)
 
 
 def test_topk_at_v4_widths_on_the_kernels_own_scores():
     """index_scores then index_topk at V4-Flash widths, k 512: exact on those scores."""
     hi, di, e, counts = SCORE_CASES[-1]
-    q, w, keys, base, count = _score_inputs(hi, di, e, counts, torch.bfloat16, seed=5)
-    scores = indexer.index_scores(q, w, keys, base, count, e)
+    q, w, keys, pages, count = _score_inputs(hi, di, e, counts, torch.bfloat16, seed=5)
+    scores = indexer.index_scores(q, w, keys, pages, e, count, e)
     done = _finished(count, e)
-    rows, n = _check_topk(scores.masked_fill(~done, 0.0), count, base, V4_K)
+    rows, n = _check_topk(scores.masked_fill(~done, 0.0), count, pages, e, V4_K)
     assert n.tolist() == [min(c, V4_K) for c in counts]
 
 
@@ -189,30 +198,61 @@ def test_topk_over_a_million_token_context():
     """Rows of 2**18 entries (1M context / 4), k 512, scores on bf16's grid (ties at the
     threshold among 262144 values) and distinct ones: exact."""
     e = 2 ** 18
-    base, count, _ = _requests([e, e - 5], e, seed=0)
+    pages, count, _ = _requests([e, e - 5], e, seed=0)
     ties = _randn(1, e, seed=7).to(torch.bfloat16).float()
-    _check_topk(torch.cat((ties, _randn(1, e, seed=8))), count, base, V4_K)
+    _check_topk(torch.cat((ties, _randn(1, e, seed=8))), count, pages, e, V4_K)
 
 
 def test_no_entries_yet():
     """A sequence shorter than one C4 block: E = 0 slots, k = 0 (no program to launch)."""
-    q, w, keys, base, count = _score_inputs(4, 32, 16, [0, 0], torch.float32, seed=3)
-    assert indexer.index_scores(q, w, keys[:0], base * 0, count, 0).shape == (2, 0)
-    rows, n = indexer.index_topk(torch.empty(2, 0), count, base * 0, 0)
+    q, w, keys, pages, count = _score_inputs(4, 32, 16, [0, 0], torch.float32, seed=3)
+    assert indexer.index_scores(q, w, keys[:0], pages * 0, 16, count, 0).shape == (2, 0)
+    rows, n = indexer.index_topk(torch.empty(2, 0), count, pages * 0, 16, 0)
     assert rows.shape == (2, 0) and n.tolist() == [0, 0]
+
+
+# -- pages -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("per_page", [16, 7, 64])
+def test_paged_keys_score_and_pick_as_the_flat_ones(per_page):
+    """3 requests' keys scattered over shuffled pages (page 0 and pages no row reaches
+    NaN): the scores equal the flat layout's bitwise, the top-k rows are the flat picks
+    through the page table, and both ops equal their references."""
+    hi, di, e, counts = 5, 40, 100, [100, 1, 0, 63, 99]
+    q, w, flat, flat_pages, count = _score_inputs(hi, di, e, counts, torch.float32, seed=11)
+    p = -(-e // per_page)  # pages per request
+    order = torch.randperm(3 * p, generator=torch.Generator().manual_seed(per_page)) + 1
+    table = order.view(3, p).to(torch.int32)  # [3, P] request -> page ids (1..3P)
+    keys = torch.full(((3 * p + 2) * per_page, di), float("nan"))  # pages 0..3P+1
+    for r in range(3):
+        for j in range(e):
+            keys[table[r, j // per_page] * per_page + j % per_page] = flat[r * e + j]
+    pages = table[flat_pages[:, 0].long()]  # [T, P] each row's request's pages
+    out = indexer.index_scores(q, w, keys, pages, per_page, count, e)
+    want = indexer.index_scores(q, w, flat, flat_pages, e, count, e)
+    done = _finished(count, e)
+    assert torch.equal(out[done], want[done])
+    ref = indexer.index_scores_reference(q, w, keys, pages, per_page, count, e)
+    assert max_ulps(out[done], ref[done], scale=indexer.index_scores_reference(
+        q.abs(), w.abs(), keys.abs(), pages, per_page, count, e)[done]) <= SCORE_ULPS
+    scores = out.masked_fill(~done, 0.0)
+    rows, n = _check_topk(scores, count, pages, per_page, 16)
+    flat_rows, _ = indexer.index_topk(scores, count, flat_pages, e, 16)
+    entries = flat_rows.long() - _base(flat_pages, e).unsqueeze(1)  # [T, k] entry ids
+    assert torch.equal(rows.long(), indexer.key_rows(pages, per_page, entries))
 
 
 # -- builds and fakes --------------------------------------------------------------------
 
 
 def test_fakes_give_the_references_shapes_and_dtypes():
-    q, w, keys, base, count = _score_inputs(4, 32, 64, [64, 3, 0], torch.bfloat16, seed=9)
+    q, w, keys, pages, count = _score_inputs(4, 32, 64, [64, 3, 0], torch.bfloat16, seed=9)
     meta = lambda v: v.to("meta")  # noqa: E731
-    scores = indexer.index_scores_reference(q, w, keys, base, count, 64)
-    fused = indexer.index_scores(meta(q), meta(w), meta(keys), meta(base), meta(count), 64)
+    scores = indexer.index_scores_reference(q, w, keys, pages, 64, count, 64)
+    fused = indexer.index_scores(meta(q), meta(w), meta(keys), meta(pages), 64, meta(count), 64)
     pairs = [(fused, scores)]
-    pairs += zip(indexer.index_topk(meta(scores), meta(count), meta(base), 16),
-                 indexer.index_topk_reference(scores, count, base, 16))
+    pairs += zip(indexer.index_topk(meta(scores), meta(count), meta(pages), 64, 16),
+                 indexer.index_topk_reference(scores, count, pages, 64, 16))
     for got, ref in pairs:
         assert got.device.type == "meta"
         assert (got.shape, got.dtype) == (ref.shape, ref.dtype)

@@ -4,7 +4,7 @@ For every row of a forward mixing a prefill chunk, decode rows and padding, the 
 list's first ``count`` entries hold the same values (ring slot or the forward's own row)
 as ``Ring.gather_recent`` returns for the valid positions, in the same order; entries past
 the count are in range; a compressor's candidate list reads what ``gather_recent`` reads;
-C128's entry list is every finished entry of the row's request.
+C128's entry list is every finished entry of the row's request, through its pages.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from nextn_graph.memory.batch import Chunk, ForwardBatch, ForwardPlan
 from nextn_graph.memory.lists import (candidate_list, entry_list, finished_count, sequence_plan,
                                       window_list)
-from nextn_graph.memory.pool import Ring
+from nextn_graph.memory.pool import CompressedCache, Ring
 
 SIZE, WINDOW, F = 11, 8, 3  # ring positions per request, window, features
 
@@ -60,14 +60,22 @@ def test_candidate_list_reads_what_gather_recent_reads():
     assert torch.equal(got[ri.valid], keys[ri.valid])
 
 
-def test_entry_list_is_every_finished_entry_of_the_request():
+def test_entry_list_is_every_finished_entry_of_the_request_through_its_pages():
+    """Entries of 6 slots a request in pages of 4: entry j of request r is row
+    ``table[r, j // 4] * 4 + j % 4``; a flat tensor's list (no cache) is 0..n-1."""
     plan, _, _ = _forward()
-    rows, count = entry_list(plan, 6, 4)
+    table = torch.tensor([[0, 0], [5, 2], [1, 7], [3, 4]], dtype=torch.int32)  # [rows, P]
+    cache = CompressedCache(Ring(torch.zeros(4, F), 1), torch.zeros(9 * 4, F), 6, 4, table)
+    rows, count = entry_list(plan, cache, 6, 4)
     b = plan.batch
-    assert rows.shape == (21, 6)
-    assert torch.equal(rows.long(), b.req_index.unsqueeze(1) * 6 + torch.arange(6))
+    assert rows.shape == (21, 6) and rows.dtype == torch.int32
+    j = torch.arange(6)
+    want = table[b.req_index][:, j // 4].long() * 4 + j % 4  # [T, 6]
+    assert torch.equal(rows.long(), want)
     assert torch.equal(count.long(), torch.clamp((b.positions + 1) // 4, max=6))
     assert finished_count(plan, 4, 6) is count
+    flat, _ = entry_list(ForwardPlan(b), None, 6, 4)
+    assert torch.equal(flat.long(), j.expand(21, 6))
 
 
 def test_sequence_plan_lists_only_the_sequence_rows():

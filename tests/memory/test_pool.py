@@ -113,7 +113,9 @@ def test_pool_estimate_equals_allocated_bytes(tiny, max_requests, max_context, v
             layer.swa.data, *(x for c in (layer.compressed, layer.index) if c is not None
                               for x in (c.raw.data, c.entries)))]
         assert pool_nbytes(tiny.cfg, layout, ratios, dtype) == pool.nbytes()
-        assert pool.nbytes() == sum(t.nbytes for t in tensors)
+        assert pool.nbytes() == sum(t.nbytes for t in tensors) + pool.table.nbytes
+        assert pool.table.dtype == torch.int32 and pool.table.shape == (
+            layout.rows, layout.pages_per_request if ratios != [NEXTN_COMPRESS_RATIO] else 0)
         assert all(t.dtype == dtype for t in tensors)
 
 
@@ -126,14 +128,14 @@ def test_absurd_pool_refused_with_figure_before_allocating(tiny):
     per_row = pool_nbytes(tiny.cfg, PoolLayout(2, 512, 4), ratios, torch.float32) // 3
     layout = PoolLayout(max(10**8, 2 * ram // per_row), 512, 4)
     need = pool_nbytes(tiny.cfg, layout, ratios, torch.float32)
-    assert need == layout.rows * per_row > ram
+    assert need > ram
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     with pytest.raises(CapacityError) as info:
         KVPool(tiny.cfg, layout, ratios)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 64 * 1024
     assert str(info.value) == (
-        f"the KV pool of max_requests {layout.max_requests} x max_context 512 (verify width "
-        f"4, {len(ratios)} layers, torch.float32) needs {need / 2**30:.1f} GiB, more than the "
+        f"the KV pool of max_requests {layout.max_requests} x max_context 512 "
+        f"({layout.pages} pages of 256, verify width 4, {len(ratios)} layers, torch.float32) needs {need / 2**30:.1f} GiB, more than the "
         f"{ram / 2**30:.1f} GiB of physical memory on cpu")
 
 

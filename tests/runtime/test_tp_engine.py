@@ -30,7 +30,9 @@ from helpers import corpus_prompts, random_prompt
 from test_graph_runtime import Req, grow_and_shrink, run_schedule
 
 TRAINED = "builtin:tiny-trained"
-POOL = PoolConfig(max_requests=6, max_context=256)
+# pages of 128 positions, 4 for 6 rows: admission waits for pages, rank 0's page ids
+# (reused, out of order) reach the followers' page tables in the prefill message
+POOL = PoolConfig(max_requests=6, max_context=256, page_size=128, num_pages=4)
 GRAPHS = GraphConfig(backend="cpu", buckets=(1, 2, 4))
 EAGER = GraphConfig(backend="eager")
 # tiny widths that divide by 4: heads 8, o_groups 4, index heads 4, experts 8

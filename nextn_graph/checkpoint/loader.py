@@ -31,7 +31,7 @@ from torch import nn
 from ..config import WEIGHTS_MODES
 from ..errors import CheckpointError, ConfigError
 from ..kernels.select import select_kernels
-from ..memory.pool import physical_memory_bytes
+from ..memory.shapes import physical_memory_bytes
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN, ModelConfig
 from ..model.config import check_model_fits, config_from_dict
 from ..model.ops import use_kernels

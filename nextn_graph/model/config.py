@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, show_value
-from ..memory.pool import physical_memory_bytes
+from ..memory.shapes import physical_memory_bytes
 from ..textfile import parse_json, read_text
 
 INT64_LIMIT = 2**63  # every integer key is a tensor size, index or count

@@ -83,7 +83,8 @@ class SpecEngine:
         self.max_context = pool.max_context
         # positions a verify window writes past a request's last output: S - 1, and N
         # more with overlap (the round launched before the request's end was read)
-        self.lookahead = max(self.num_steps - 1, 0) + (width if graph.overlap == "on" else 0)
+        overlap = graph.overlap == "on"
+        self.lookahead = max(self.num_steps - 1, 0) + (width if overlap else 0)
         self.models = SpecModels(target, draft, target.new_pool(layout), draft.new_pool(layout))
         # a request's context is bounded by the pool's pages too (all of them, at most)
         self.max_context = min(self.max_context, self.models.target_pool.max_positions)
@@ -120,7 +121,7 @@ class SpecEngine:
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
                                  self.tp, self.engine_id, self.num_steps, penalties)
         self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,
-                                  self.engine_id, overlap=graph.overlap == "on")
+                                  self.engine_id, overlap=overlap)
         self.request_limits = RequestLimits(self.cfg, self.max_context, self.lookahead,
                                             self.max_logprobs, self.samples, self.penalizes)
 

@@ -185,7 +185,9 @@ def test_reference_is_bitwise_the_models_cached_entries(ratio, d, dtype):
     plan = ForwardPlan(batch)
     size, per_request = span + n - 1, 64
     ring = Ring(_randn(3 * size, 2 * comp.coff * d, seed=ratio).to(dtype), size)
-    cache = CompressedCache(ring, torch.zeros(3 * per_request, d, dtype=dtype), per_request)
+    table = torch.arange(3, dtype=torch.int32).unsqueeze(1)  # one page a request: row r
+    cache = CompressedCache(ring, torch.zeros(3 * per_request, d, dtype=dtype), per_request,
+                            per_request, table)
     x = _randn(batch.num_rows, cfg.hidden_size, seed=d).to(dtype)
     before = ring.data.clone()
     comp.cached(x, plan, cache, rope)

@@ -26,6 +26,7 @@ writes a request's row before its prefill, so no graph input moves. Sizes come f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -65,10 +66,17 @@ class RingIndex:
 
 @dataclass
 class Ring:
-    """Per-request position-indexed ring: ``data`` [rows * size, F]."""
+    """Per-request position-indexed ring: ``data`` [ring_rows * size, F].
+
+    ``carry``: the positions before a page boundary that positions past it read (the
+    window for SWA, C4's overlapping block for a raw ring; 0: none). A prefill forward
+    whose batch names snapshot rows also stores those positions there, which is all a
+    prefix-cache hit at that boundary needs of this ring (``restore``)."""
 
     data: torch.Tensor
     size: int
+    carry: int = 0
+    page_size: int = 0
 
     def index(self, plan: ForwardPlan, span: int) -> RingIndex:
         return plan.memo(("ring_index", self.size, span),
@@ -94,6 +102,23 @@ class Ring:
             slot = b.req_index * self.size + b.positions % self.size
             return slot * keep  # slot 0 where not kept
         self.data.index_copy_(0, plan.memo(("ring_write", self.size), make), chunk)
+        if plan.batch.snapshot_row is not None and self.carry:
+            key = ("ring_snapshot", self.size, self.carry, self.page_size)
+            self.data.index_copy_(0, plan.memo(key, lambda: self._snapshot_slots(plan)), chunk)
+
+    def _snapshot_slots(self, plan: ForwardPlan) -> torch.Tensor:
+        """[T] the snapshot row's slot of each row among the ``carry`` positions before
+        its next page boundary, 0 for the rest (``carry <= page_size``: one boundary)."""
+        b = plan.batch
+        snap = b.snapshot_row  # [T] the snapshot row of the row's next boundary, 0: none
+        boundary = (b.positions // self.page_size + 1) * self.page_size
+        keep = (b.positions >= boundary - self.carry) & (snap > 0)
+        return (snap * self.size + b.positions % self.size) * keep
+
+    def restore(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Whole ring rows ``src`` [R] copied onto rows ``dst`` [R] (a prefix hit)."""
+        rows = self.data.view(-1, self.size, self.data.shape[-1])  # [ring_rows, size, F]
+        rows.index_copy_(0, dst, rows[src])
 
 
 @dataclass
@@ -159,6 +184,10 @@ def _check_layout(cfg: CacheDims, layout: PoolLayout, ratios: list[int]) -> None
             layout.num_pages < 0:
         raise CapacityError(f"pool num_pages must be an int of at least 0 (0: enough for "
                             f"every request at max_context), got {layout.num_pages!r}")
+    if layout.snapshot_rows and cfg.sliding_window > layout.page_size:
+        raise CapacityError(f"pool page_size {layout.page_size} is shorter than the sliding "
+                            f"window {cfg.sliding_window}: a prefix-cache boundary keeps one "
+                            f"window, which must fit in a page")
     for r in sorted({r for r in ratios if r}):
         if layout.page_size % r:
             raise CapacityError(f"pool page_size {layout.page_size} is not a multiple of the "
@@ -191,18 +220,20 @@ class KVPool:
                                  dtype=torch.int32, device=device)
         self.pages = PagePool(layout.pages, layout.page_size) if paged else None
 
-        def ring(size: int, width: int) -> Ring:
-            return Ring(torch.zeros(rows * size, width, device=device, dtype=dtype), size)
+        def ring(size: int, width: int, carry: int) -> Ring:
+            return Ring(torch.zeros(layout.ring_rows * size, width, device=device, dtype=dtype),
+                        size, carry, layout.page_size)
 
         def compressed(shape: CompressedShape | None) -> CompressedCache | None:
             if shape is None:
                 return None
             entries = torch.zeros((layout.pages + 1) * shape.per_page, shape.dim,
                                   device=device, dtype=dtype)
-            return CompressedCache(ring(shape.raw_ring, shape.raw_width), entries,
+            return CompressedCache(ring(shape.raw_ring, shape.raw_width, shape.carry), entries,
                                    shape.per_request, shape.per_page, self.table)
 
-        self.layers = [LayerCache(ring(s.swa_ring, s.head_dim), compressed(s.compressed),
+        window = cfg.sliding_window  # the positions before a boundary that SWA reads
+        self.layers = [LayerCache(ring(s.swa_ring, s.head_dim, window), compressed(s.compressed),
                                   compressed(s.index)) for s in shapes]
         self._free = list(range(layout.max_requests, 0, -1))  # row 0 is never handed out
         self.held: dict[int, list[int]] = {}  # request row -> its pages, in position order
@@ -229,18 +260,30 @@ class KVPool:
             return 0
         return pages_for(min(max(positions, 1), self.layout.max_context), self.layout.page_size)
 
-    def fits(self, positions: int) -> bool:
-        """A free row, and pages for ``positions`` (``alloc`` would succeed)."""
+    def fits(self, positions: int, shared: int = 0) -> bool:
+        """A free row, and pages for ``positions`` of which ``shared`` are cached already
+        (``alloc`` would succeed)."""
         return bool(self._free) and (self.pages is None or
-                                     self.pages_needed(positions) <= self.pages.free_pages)
+                                     self.pages_needed(positions) - shared <= self.pages.free_pages)
 
-    def alloc(self, positions: int | None = None) -> int:
+    def alloc(self, positions: int | None = None, shared: Sequence[int] = ()) -> int:
         """A request row with the pages of ``positions`` positions (None: max_context),
-        its page-table row written; all or nothing."""
+        its page-table row written; all or nothing. ``shared``: the first pages are these
+        (a prefix-cache hit's, one more holder each), the rest fresh."""
         if not self._free:
             raise CapacityError(f"KV pool is full: all {self.layout.max_requests} request rows in use")
-        pages = [] if self.pages is None else self.pages.alloc(
-            self.pages_needed(self.layout.max_context if positions is None else positions))
+        pages: list[int] = []
+        if self.pages is not None:
+            need = self.pages_needed(self.layout.max_context if positions is None else positions)
+            if len(shared) > need:
+                raise CapacityError(f"{len(shared)} shared pages exceed the {need} pages of "
+                                    f"{positions} positions")
+            self.pages.share(shared)
+            try:
+                pages = list(shared) + self.pages.alloc(need - len(shared))
+            except CapacityError:
+                self.pages.release(shared)
+                raise
         row = self._free.pop()
         self.held[row] = pages
         self.write_table(row, pages)
@@ -264,15 +307,34 @@ class KVPool:
             self.pages.release(pages)
         self._free.append(row)
 
-    def audit(self) -> None:
-        """No page leaked or held twice, rows and pages agree (tests and debugging)."""
+    def audit(self, others: Mapping[Hashable, Iterable[int]] | None = None) -> None:
+        """No page leaked or held twice, rows and pages agree (tests and debugging);
+        ``others``: page holders besides the request rows (the prefix cache)."""
         rows = set(self._free)
         if len(rows) != len(self._free) or rows & set(self.held) or \
                 len(rows) + len(self.held) != self.layout.max_requests:
             raise AssertionError(f"KV pool rows disagree: {len(self._free)} free, "
                                  f"{len(self.held)} held, of {self.layout.max_requests}")
         if self.pages is not None:
-            self.pages.audit(self.held)
+            self.pages.audit({**self.held, **(others or {})})
+
+    @property
+    def snapshot_rows(self) -> range:
+        """The ring rows that hold the prefix cache's boundary states."""
+        return range(self.layout.rows, self.layout.ring_rows)
+
+    def rings(self) -> list[Ring]:
+        return [r for layer in self.layers for r in (
+            layer.swa, *(c.raw for c in (layer.compressed, layer.index) if c is not None))]
+
+    def restore(self, src: list[int], dst: list[int]) -> None:
+        """Every ring's rows ``src`` copied onto rows ``dst`` (snapshot -> request row)."""
+        if not src:
+            return
+        dev = self.table.device
+        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        for ring in self.rings():
+            ring.restore(s, d)
 
     def nbytes(self) -> int:
         total = self.table.nbytes

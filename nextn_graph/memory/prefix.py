@@ -8,9 +8,11 @@ eviction until the request unlocks it; admission locks its match before it evict
 the rest of its pages, or the eviction could drop the match itself. Eviction frees unlocked leaves, least recently
 used first, until enough pages are back in the pool.
 
-What a hit may reuse beyond the pages (the SWA window before the match's end, the
-compressor state at the boundary, the draft's KV, whose entry at position i was computed
-from token i + 1) is the engine's to recompute; the tree only matches whole blocks.
+A hit needs more than the pages: the SWA window before the match's end and C4's
+overlapping block of raw compressor state, per layer. The engine keeps them in a
+*snapshot row* per node (ring rows past the request rows, ``KVPool.snapshot_rows``),
+written by the prefill that computed the block; the tree hands those rows out
+(``take_snapshot``), owns them while a node holds one, and frees them with the node.
 Host only.
 """
 
@@ -35,6 +37,7 @@ class _Node:
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     locks: int = 0  # requests reading this node's page now
     last_use: int = 0
+    snap: int = 0  # the snapshot row of the state at the block's end (0: none)
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,20 @@ class PrefixMatch:
     tokens: int
     node: _Node  # the deepest matched node (the root for a miss)
 
+    @property
+    def snap(self) -> int:
+        """The snapshot row of the state at the match's end (0 for a miss)."""
+        return self.node.snap
+
 
 @dataclass
 class PrefixStats:
     asked_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of those, found cached
+
+    def record(self, asked: int, hit: int) -> None:
+        self.asked_tokens += asked
+        self.hit_tokens += hit
 
     @property
     def hit_rate(self) -> float:
@@ -57,12 +69,36 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, pages: PagePool):
+    """``snapshot_rows``: the rows ``take_snapshot`` hands out (none: a tree of pages
+    alone, whose nodes hold no snapshot)."""
+
+    def __init__(self, pages: PagePool, snapshot_rows: Sequence[int] = ()):
         self.pool, self.page_size = pages, pages.page_size
         self._root = _Node((), 0, None)
         self._clock = 0
         self._nodes = 0
         self.stats = PrefixStats()
+        self.snapshot_rows = tuple(snapshot_rows)
+        self._free_snaps = list(reversed(self.snapshot_rows))  # popped from the end
+
+    @property
+    def free_snapshots(self) -> int:
+        return len(self._free_snaps)
+
+    def take_snapshot(self) -> int:
+        """A free snapshot row, evicting the least recently used unlocked leaf if none is
+        free -> the row, or 0 when every row is held (by locked paths or pending
+        inserts)."""
+        if not self._free_snaps:
+            self.evict(0, snapshots=1)
+        return self._free_snaps.pop() if self._free_snaps else 0
+
+    def give_back(self, snaps: Sequence[int]) -> None:
+        """Snapshot rows taken but not inserted (a failed or duplicate prefill)."""
+        for s in snaps:
+            if s not in self.snapshot_rows or s in self._free_snaps:
+                raise CapacityError(f"prefix cache: snapshot row {s} was not taken")
+            self._free_snaps.append(s)
 
     @property
     def cached_pages(self) -> int:
@@ -72,10 +108,13 @@ class PrefixCache:
         ps = self.page_size
         return [tuple(tokens[i:i + ps]) for i in range(0, limit - ps + 1, ps)]
 
-    def match(self, tokens: Sequence[int], limit: int | None = None) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], limit: int | None = None,
+              count: bool = True) -> PrefixMatch:
         """The longest cached prefix of ``tokens`` in whole blocks, of at most ``limit``
         positions (a prefill must still compute its last prompt token: callers pass
-        ``len(prompt) - 1``). Counted in ``stats``; the path's use time is refreshed."""
+        ``len(prompt) - 1``). Counted in ``stats`` unless ``count`` is False (a caller
+        that may ask again counts what it used, ``stats.record``); the path's use time is
+        refreshed."""
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         self._clock += 1
         node, pages = self._root, []
@@ -86,8 +125,8 @@ class PrefixCache:
             node = child
             node.last_use = self._clock
             pages.append(node.page)
-        self.stats.asked_tokens += len(tokens)
-        self.stats.hit_tokens += len(pages) * self.page_size
+        if count:
+            self.stats.record(len(tokens), len(pages) * self.page_size)
         return PrefixMatch(tuple(pages), len(pages) * self.page_size, node)
 
     def lock(self, m: PrefixMatch) -> None:
@@ -105,61 +144,85 @@ class PrefixCache:
             node.locks -= 1
             node = node.parent
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               snaps: Sequence[int] | None = None) -> int:
         """Cache the whole blocks of ``tokens``, block i in ``pages[i]`` (a request's
-        pages, computed) -> blocks added. A block already cached keeps its page: the
-        request's copy stays the request's to release. A new block's page gets one more
-        holder, the tree."""
+        pages, computed) and its end's state in snapshot row ``snaps[i]`` (taken with
+        ``take_snapshot``; 0: none, which ends the insert there) -> blocks added. A block
+        already cached keeps its page and snapshot: the request's page stays the
+        request's to release, its snapshot row goes back to the free list, as do those
+        of blocks past where the insert ended. A new block's page gets one more holder,
+        the tree."""
         blocks = self._blocks(tokens, len(tokens))
-        if len(pages) < len(blocks):
+        snaps = [0] * len(blocks) if snaps is None else list(snaps)
+        if len(pages) < len(blocks) or len(snaps) < len(blocks):
             raise CapacityError(f"prefix cache: {len(blocks)} blocks of tokens but "
-                                f"{len(pages)} pages")
+                                f"{len(pages)} pages and {len(snaps)} snapshot rows")
         self._clock += 1
-        node, added = self._root, 0
-        for block, page in zip(blocks, pages):
+        node, added, unused = self._root, 0, []
+        for i, (block, page) in enumerate(zip(blocks, pages)):
             child = node.children.get(block)
             if child is None:
+                if self.snapshot_rows and not snaps[i]:  # no state kept: nothing deeper
+                    unused += [s for s in snaps[i:] if s]
+                    break
                 self.pool.share([page])
-                child = node.children[block] = _Node(block, page, node)
+                child = node.children[block] = _Node(block, page, node, snap=snaps[i])
                 self._nodes += 1
                 added += 1
+            elif snaps[i]:
+                unused.append(snaps[i])
             node = child
             node.last_use = self._clock
+        self.give_back(unused + [s for s in snaps[len(blocks):] if s])
         return added
 
-    def evict(self, pages: int) -> int:
+    def evict(self, pages: int, snapshots: int = 0) -> int:
         """Drop unlocked leaves, least recently used first, until ``pages`` pages went
-        back to the pool (or nothing is left to drop) -> pages freed. A dropped node whose
-        page a running request still holds frees nothing yet: that page goes back when
-        the request releases it."""
+        back to the pool and ``snapshots`` snapshot rows to the free list (or nothing is
+        left to drop) -> pages freed. A dropped node whose page a running request still
+        holds frees nothing yet: that page goes back when the request releases it."""
         heap = [(n.last_use, id(n), n) for n in self._leaves() if n.locks == 0]
         heapq.heapify(heap)
-        freed = 0
-        while heap and freed < pages:
+        freed = snaps = 0
+        while heap and (freed < pages or snaps < snapshots):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.block]
             self._nodes -= 1
             freed += self.pool.release([node.page])
+            if node.snap:
+                self._free_snaps.append(node.snap)
+                snaps += 1
             if parent is not self._root and not parent.children and parent.locks == 0:
                 heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return freed
 
     def _leaves(self) -> list[_Node]:
+        return [n for n in self._nodes_list() if not n.children]
+
+    def _nodes_list(self) -> list[_Node]:
         out, todo = [], list(self._root.children.values())
         while todo:
             node = todo.pop()
-            if node.children:
-                todo.extend(node.children.values())
-            else:
-                out.append(node)
+            out.append(node)
+            todo.extend(node.children.values())
         return out
 
     def holdings(self) -> dict[str, list[int]]:
         """The tree's page references, for ``PagePool.audit``."""
-        pages, todo = [], list(self._root.children.values())
-        while todo:
-            node = todo.pop()
-            pages.append(node.page)
-            todo.extend(node.children.values())
-        return {"prefix cache": pages}
+        return {"prefix cache": [n.page for n in self._nodes_list()]}
+
+    def audit(self, taken: Sequence[int] = ()) -> None:
+        """Snapshot rows: the free ones, the nodes' and ``taken`` (held by prefills not
+        yet inserted) split ``snapshot_rows`` exactly (tests and debugging)."""
+        held = [n.snap for n in self._nodes_list() if n.snap] + list(taken)
+        every = sorted(held + self._free_snaps)
+        if every != sorted(self.snapshot_rows):
+            raise AssertionError(f"prefix cache snapshot rows disagree: {len(self._free_snaps)} "
+                                 f"free, {len(held)} held, of {len(self.snapshot_rows)}")
+
+    @property
+    def locked(self) -> int:
+        """Nodes some request has locked (0 when no request reads the tree)."""
+        return sum(1 for n in self._nodes_list() if n.locks)

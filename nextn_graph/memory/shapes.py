@@ -33,10 +33,17 @@ class PoolLayout:
     verify_width: int  # N, the largest window one forward writes per request
     page_size: int = PAGE_SIZE  # positions of a page of compressed entries
     num_pages: int = 0  # pages of the pool; 0: every request can reach max_context
+    snapshot_rows: int = 0  # ring rows past the request rows: the prefix cache's boundaries
 
     @property
     def rows(self) -> int:
         return self.max_requests + 1
+
+    @property
+    def ring_rows(self) -> int:
+        """Rows of every ring: row 0, the request rows, then the snapshot rows (the ring
+        state at a cached page boundary, ``memory/prefix.py``)."""
+        return self.rows + self.snapshot_rows
 
     @property
     def pages_per_request(self) -> int:
@@ -55,6 +62,7 @@ class CompressedShape:
     per_request: int  # entries a request can finish: max_context // ratio, at least 1
     per_page: int  # entries of one page: page_size // ratio
     dim: int
+    carry: int  # raw positions before a block start that its entry reads: (coff - 1) * ratio
 
     @property
     def row_elements(self) -> int:
@@ -84,7 +92,7 @@ class LayerShape:
             coff = 2 if ratio == 4 else 1  # C4 entries overlap the previous block
             return CompressedShape(coff * ratio + n - 1, 2 * coff * dim,
                                    max(1, layout.max_context // ratio),
-                                   layout.page_size // ratio, dim)
+                                   layout.page_size // ratio, dim, (coff - 1) * ratio)
 
         return cls(cfg.sliding_window + n - 1, cfg.head_dim,
                    compressed(cfg.head_dim) if ratio else None,
@@ -111,7 +119,7 @@ def pool_nbytes(cfg: CacheDims, layout: PoolLayout, ratios: list[int],
     equals ``KVPool.nbytes()`` of the built pool: request rows (rings), pages (entries)
     and the page table (int32) where any layer has compressed entries."""
     shapes = [LayerShape.of(cfg, layout, r) for r in ratios]
-    rows = layout.rows * sum(s.row_elements for s in shapes)
+    rows = layout.ring_rows * sum(s.row_elements for s in shapes)
     pages = (layout.pages + 1) * sum(s.page_elements for s in shapes)
     table = layout.rows * layout.pages_per_request * 4 if any(s.parts for s in shapes) else 0
     return (rows + pages) * dtype.itemsize + table

@@ -14,6 +14,7 @@ from ..memory.pool import KVPool
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..labels import ACCEPT_SAMPLING, BOOKKEEPING, labelled
 from ..sampling import DRAFT, RowParams, draw
+from .prefix_reuse import NO_PREFIX, PrefillPrefix
 
 profile_label = ACCEPT_SAMPLING  # argmax, acceptance, select_index (labels.py)
 
@@ -110,13 +111,20 @@ def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tenso
 
 def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
             with_draft: bool = True, params: RowParams | None = None,
-            lp_rows: torch.Tensor | None = None, lp_k: int = 0, process=None):
+            lp_rows: torch.Tensor | None = None, lp_k: int = 0, process=None,
+            prefix: PrefillPrefix = NO_PREFIX, boundary_hidden: torch.Tensor | None = None):
     """A chunk's last NextN row takes ``nexts[c]`` (the prompt's next token) or, for a
     final chunk (None), the bonus, so it needs nothing from later chunks. -> for the F
     final chunks: (bonus [F], cand1 [F], seed [F, hc*H], q1 [F, V] or None, logprobs of
-    ``lp_rows`` or None). The bonus is keyed as a round based at P - 1, cand1 at P."""
-    batch = ForwardBatch.from_chunks(chunks, device)
+    ``lp_rows`` or None). The bonus is keyed as a round based at P - 1, cand1 at P.
+    ``prefix``: the rings keep page-boundary states in snapshot rows, ``boundary_hidden``
+    [ring_rows, hc*H] the target's hidden before each; a chunk seeded from one (a
+    prefix hit's first) gets a draft row at start - 1 (``runtime/prefix_reuse.py``)."""
+    batch = ForwardBatch.from_chunks(chunks, device, snapshot_row=prefix.snapshot_row or None)
     out = m.target(batch, m.target_pool)
+    if prefix.keep:  # the hidden before each boundary kept: a hit's first draft row reads it
+        at, snap = (torch.tensor(x, device=device) for x in zip(*prefix.keep))
+        boundary_hidden.index_copy_(0, snap, out.hidden[at])
     ends = [len(c.tokens) for c in chunks]
     ends = [sum(ends[:i + 1]) - 1 for i in range(len(ends))]  # each chunk's last row
     final = [i for i, n in enumerate(nexts) if n is None]
@@ -139,7 +147,41 @@ def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
     lp = None if lp_rows is None else token_logprobs(out.logits[lp_rows], shifted[lp_rows], lp_k)
     if not with_draft:
         return bonus, torch.zeros_like(bonus), torch.zeros_like(out.hidden[last]), None, lp
-    draft_batch = dataclasses.replace(batch, input_ids=shifted)
-    dout = m.draft(draft_batch, out.hidden, m.draft_pool)
-    cand1, q1 = _candidate(dout.logits[last], params, lens)
-    return bonus, cand1, dout.hidden[last], q1, lp
+    if prefix.seeds:
+        draft_batch, hidden, dlast = seeded_draft_batch(chunks, final, prefix, batch, shifted,
+                                                        out.hidden, boundary_hidden)
+    else:
+        draft_batch, hidden, dlast = dataclasses.replace(batch, input_ids=shifted), out.hidden, last
+    dout = m.draft(draft_batch, hidden, m.draft_pool)
+    cand1, q1 = _candidate(dout.logits[dlast], params, lens)
+    return bonus, cand1, dout.hidden[dlast], q1, lp
+
+
+def seeded_draft_batch(chunks: list[Chunk], final: list[int], prefix: PrefillPrefix,
+                       batch: ForwardBatch, shifted: torch.Tensor, hidden: torch.Tensor,
+                       boundary_hidden: torch.Tensor):
+    """The draft's rows of a prefill where chunk c seeded from snapshot ``prefix.seeds[c]``
+    starts one row early: position start - 1, this chunk's first token (the token after
+    it), the kept target hidden there. -> (batch, hidden [T', hc*H], the final chunks'
+    last rows [F])."""
+    device, t = shifted.device, batch.num_rows
+    src, dchunks, ends, at, seeds = [], [], [], 0, []
+    for c, snap in zip(chunks, prefix.seeds):
+        n = len(c.tokens)
+        if snap:
+            src.append(t + len(seeds))  # the seed row, after the forward's rows
+            seeds.append((c.tokens[0], snap))
+        src.extend(range(at, at + n))
+        at += n
+        dchunks.append(Chunk(c.req_index, c.start - bool(snap), range(n + bool(snap))))
+        ends.append(len(src) - 1)
+    index = torch.tensor(src, device=device)  # [T'] row of (forward rows, then seed rows)
+    ids = torch.tensor([tok for tok, _ in seeds], device=device, dtype=shifted.dtype)
+    snaps = torch.tensor([s for _, s in seeds], device=device)
+    snap_rows = None
+    if prefix.snapshot_row:  # a seed row's boundary is the hit's: cached already
+        snap_rows = [prefix.snapshot_row[i] if i < t else 0 for i in src]
+    draft = ForwardBatch.from_chunks(dchunks, device, snapshot_row=snap_rows)
+    draft = dataclasses.replace(draft, input_ids=torch.cat((shifted, ids))[index])
+    rows = torch.cat((hidden, boundary_hidden[snaps]))[index]  # [T', hc*H]
+    return draft, rows, torch.tensor([ends[i] for i in final], device=device, dtype=torch.long)

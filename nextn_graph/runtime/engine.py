@@ -5,8 +5,11 @@ an interrupt commits nothing of the round and propagates.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Iterable, Sequence
+
+import torch
 
 from ..checkpoint.loader import load_checkpoint
 from ..config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig,
@@ -29,6 +32,7 @@ from .driver import RoundDriver
 from .penalty_tables import PenaltyTables
 from .eagle import SpecModels
 from .prefill import Prefiller
+from .prefix_reuse import prefix_reuse
 from .round import DecodeRound
 from .request import StepOutput
 from .request_checks import NewRequest, RequestLimits, checked_batch
@@ -80,6 +84,8 @@ class SpecEngine:
                                             "graph."), pool, where)
         layout = PoolLayout(pool.max_requests, pool.max_context, width, pool.page_size,
                             pool.num_pages)
+        if pool.prefix_cache:  # ring rows for the page-boundary states the cache keeps
+            layout = dataclasses.replace(layout, snapshot_rows=pool.prefix_snapshots or layout.pages)
         self.max_context = pool.max_context
         # positions a verify window writes past a request's last output: S - 1, and N
         # more with overlap (the round launched before the request's end was read)
@@ -115,11 +121,15 @@ class SpecEngine:
                                   updates, graph.debug_check_addresses)
         self.chunks.capture(progress=progress and self.tp.is_driver)
         self.stats = SpecStats(verify_width=width)
+        self.prefix = prefix_reuse(self.models, where) if pool.prefix_cache else None
         self.scheduler = Scheduler(self.models.target_pool, self.stats,
                                    sched_cfg.prefill_token_budget,
-                                   self.tp.rank if self.tp.parallel else None, self.lookahead)
+                                   self.tp.rank if self.tp.parallel else None, self.lookahead,
+                                   self.prefix if self.tp.is_driver else None)
+        hidden = (torch.zeros(layout.ring_rows, self.cfg.hc_dim, device=self.device, dtype=dtype)
+                  if pool.prefix_cache else None)
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
-                                 self.tp, self.engine_id, self.num_steps, penalties)
+                                 self.tp, self.engine_id, self.num_steps, penalties, hidden)
         self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,
                                   self.engine_id, overlap=overlap)
         self.request_limits = RequestLimits(self.cfg, self.max_context, self.lookahead,

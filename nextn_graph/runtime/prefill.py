@@ -16,6 +16,7 @@ from . import eagle
 from .buffers import RequestState, SamplingTables
 from .eagle import SpecModels
 from .penalty_tables import PenaltyTables
+from .prefix_reuse import NO_PREFIX, PrefillPrefix
 from .request import Request, TokenLogprob, token_logprobs
 from ..sampling import RowParams, SamplingParams
 from .scheduler import Scheduler
@@ -28,12 +29,15 @@ class Prefiller:
 
     def __init__(self, models: SpecModels, state: RequestState, sampling: SamplingTables | None,
                  stats: SpecStats, scheduler: Scheduler, tp: TPGroup, engine_id: int,
-                 num_steps: int, penalties: PenaltyTables | None = None):
+                 num_steps: int, penalties: PenaltyTables | None = None,
+                 boundary_hidden: torch.Tensor | None = None):
         self.models, self.state, self.sampling, self.stats = models, state, sampling, stats
         self.sched, self.tp, self.engine_id = scheduler, tp, engine_id
         self.num_steps = num_steps
         self.penalties = penalties
         self.device = state.lengths.device
+        # [ring_rows, hc*H]: by snapshot row, the target's hidden before its boundary
+        self.boundary_hidden = boundary_hidden
 
     @torch.no_grad()
     def step(self) -> None:
@@ -54,6 +58,7 @@ class Prefiller:
         st.nextn_extend_forwards += int(self.num_steps > 0)
         st.prefill_chunks += len(plan)
         st.prompt_tokens += sum(len(r.prompt) for r, end in plan if end == len(r.prompt))
+        st.cached_tokens += sum(r.cached for r, end in plan if end == len(r.prompt))
         self.sched.prefilled(plan, bonus, logprobs)
 
     def _prefill(self, plan: list[tuple[Request, int]]):
@@ -61,15 +66,21 @@ class Prefiller:
         chunks = [Chunk(r.row, r.prefilled, r.prompt[r.prefilled:end]) for r, end in plan]
         nexts = [r.prompt[end] if end < len(r.prompt) else None for r, end in plan]
         params = [r.sampling for r, end in plan if end == len(r.prompt)]
+        reuse = self.sched.prefix
+        prefix = NO_PREFIX if reuse is None else reuse.plan(plan)
+        marks = None
+        if self.penalties is not None and prefix.seeds:  # a hit's cached tokens count too
+            marks = [Chunk(c.req_index, 0, r.prompt[:end]) if s else c
+                     for c, s, (r, end) in zip(chunks, prefix.seeds, plan)]
         if self.tp.parallel:  # the other ranks prefill the same chunks into the same pages
             pool = self.models.target_pool
-            tables = [(r.row, pool.held[r.row]) for r, _ in plan if r.prefilled == 0]
+            tables = [(r.row, pool.held[r.row]) for r, _ in plan if r.prefilled == r.cached]
             self.tp.channel.send(Message("prefill", self.engine_id,
-                                         (chunks, nexts, params, tables)))
+                                         (chunks, nexts, params, tables, prefix, marks)))
         rows, k = logprob_rows(plan)
         bonus, lp = self.run_chunks(chunks, nexts, params,
                                     torch.tensor(sum(rows.values(), []), device=self.device)
-                                    if rows else None, k)
+                                    if rows else None, k, prefix, marks)
         bonus = bonus.tolist() if params else []
         return bonus, self._logprobs(plan, rows, lp, bonus)
 
@@ -101,9 +112,12 @@ class Prefiller:
 
     def run_chunks(self, chunks: list[Chunk], nexts: list[int | None],
                    params: list[SamplingParams], lp_rows: torch.Tensor | None = None,
-                   lp_k: int = 0):
+                   lp_k: int = 0, prefix: PrefillPrefix = NO_PREFIX,
+                   marks: list[Chunk] | None = None):
         """Every rank's part of a step's prefill -> (the final chunks' bonus [F], on the
-        device; logprobs of ``lp_rows`` or None). ``params``: the final chunks'."""
+        device; logprobs of ``lp_rows`` or None). ``params``: the final chunks'.
+        ``prefix``: the prefix cache's part; ``marks``: the prompt tokens the penalties
+        count, where they are more than ``chunks`` (a hit's cached ones)."""
         row_params = (RowParams.of(params, self.device) if any(not p.greedy for p in params)
                       else None)
         final = [c for c, n in zip(chunks, nexts) if n is None]
@@ -112,16 +126,21 @@ class Prefiller:
         lengths = torch.tensor(ends, device=self.device)  # [F] P
         pen, process = self.penalties, None
         if pen is not None:  # the prompt's tokens, then the final rows' parameters
-            pen.mark_prompt(chunks)
+            pen.mark_prompt(marks or chunks)
             if final:
                 pen.admit(rows, params, ends)
                 at = torch.tensor(rows, device=self.device)
                 before = lengths - 1  # L = P - 1: row P
                 none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
                 process = lambda x: pen.logits(x.unsqueeze(1), at, before, none).squeeze(1)  # noqa: E731
+        if prefix.restore:  # a hit's ring state, before anything reads or writes the rows
+            src, dst = zip(*prefix.restore)
+            self.models.target_pool.restore(list(src), list(dst))
+            self.models.draft_pool.restore(list(src), list(dst))
         bonus, cand1, seed, q1, lp = eagle.prefill(
             self.models, chunks, nexts, self.device, with_draft=self.num_steps > 0,
-            params=row_params, lp_rows=lp_rows, lp_k=lp_k, process=process)
+            params=row_params, lp_rows=lp_rows, lp_k=lp_k, process=process,
+            prefix=prefix, boundary_hidden=self.boundary_hidden)
         if not params:
             return bonus, lp
         slots = torch.tensor([self.state.map.slot(r) for r in rows], device=self.device)

@@ -7,6 +7,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..memory.prefix import PrefixMatch
 from ..sampling import GREEDY, SamplingParams
 
 
@@ -45,6 +46,9 @@ class Request:
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens (None: off)
     # the prompt's logprobs of the chunks prefilled so far (tokens 1..prefilled - 1)
     prompt_lps: list[TokenLogprob] = field(default_factory=list)
+    cached: int = 0  # prompt positions a prefix-cache hit reused (whole pages)
+    match: PrefixMatch | None = None  # the hit's ``PrefixMatch``, locked while the prompt is prefilled
+    snaps: dict[int, int] = field(default_factory=dict)  # page boundary -> snapshot row
 
     @property
     def samples(self) -> bool:
@@ -78,3 +82,4 @@ class StepOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, if asked
     # first output only, if asked: one per prompt token, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cached_tokens: int | None = None  # first output only: prompt tokens from the prefix cache

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from ..memory.pool import KVPool
 from ..sampling import SamplingParams
+from .prefix_reuse import PrefixReuse
 from .request import Request, StepOutput, TokenLogprob
 from .stats import SpecStats
 
@@ -36,8 +37,10 @@ class Scheduler:
     every live request (``fail_all``)."""
 
     def __init__(self, pool: KVPool, stats: SpecStats, prefill_budget: int,
-                 rank: int | None = None, lookahead: int = 0):
+                 rank: int | None = None, lookahead: int = 0,
+                 prefix: PrefixReuse | None = None):
         self.pool = pool  # the target pool's rows (the draft pool numbers rows the same)
+        self.prefix = prefix  # the prefix cache's admission and inserts (None: off)
         self.lookahead = lookahead  # positions verify windows write past the last output
         self.stats = stats
         self.prefill_budget = prefill_budget  # scheduler.prefill_token_budget: 0 = unlimited
@@ -108,15 +111,23 @@ class Scheduler:
         left -= sum(len(r.prompt) - r.prefilled for r in self.prefilling.values())
         while left > 0 and self.num_waiting:
             req = self.waiting[0]
-            if not req.finished and not self.pool.fits(self.positions(req)):
+            if not req.finished and not self._admit(req):
                 break
             self.waiting.popleft()
             if req.finished:  # aborted while waiting
                 continue
-            req.row = self.pool.alloc(self.positions(req))
             self.num_waiting -= 1
             self.prefilling[req.rid] = req
-            left -= len(req.prompt)
+            left -= len(req.prompt) - req.prefilled
+
+    def _admit(self, req: Request) -> bool:
+        """A row and pages for ``req`` (a prefix hit's shared), or False: no room."""
+        if self.prefix is not None:
+            return self.prefix.admit(req, self.positions(req))
+        if not self.pool.fits(self.positions(req)):
+            return False
+        req.row = self.pool.alloc(self.positions(req))
+        return True
 
     def prefilled(self, plan: list[tuple[Request, int]], bonus: Sequence[int],
                   logprobs: dict[int, tuple] | None = None) -> None:
@@ -129,20 +140,23 @@ class Scheduler:
         done = [req for req, end in plan if end == len(req.prompt)]
         for req, tok in zip(done, bonus):
             del self.prefilling[req.rid]
+            if self.prefix is not None:
+                self.prefix.prefilled(req)
             req.copy = 0
             self.running[req.row] = req
             lp = logprobs.get(req.rid, ((), None))[1]
             prompt_lps = None
             if req.prompt_logprobs is not None:
                 prompt_lps, req.prompt_lps = (None, *req.prompt_lps), []
-            self.commit(req, [tok], [], logprobs=lp and (lp,), prompt_logprobs=prompt_lps)
+            self.commit(req, [tok], [], logprobs=lp and (lp,), prompt_logprobs=prompt_lps,
+                        cached_tokens=req.cached)
 
     def requeue(self, reqs: list[Request]) -> None:
         """An interrupt: back to the head of the queue, the prefill starts over."""
         for req in reversed(reqs):
             self.prefilling.pop(req.rid)
-            self.pool.release(req.row)
-            req.row, req.prefilled, req.prompt_lps = 0, 0, []
+            self._free(req)
+            req.row, req.prefilled, req.prompt_lps, req.cached = 0, 0, [], 0
             self.waiting.appendleft(req)
         self.num_waiting += len(reqs)
 
@@ -150,12 +164,17 @@ class Scheduler:
         self.running.pop(req.row, None)  # absent while being prefilled
         self.prefilling.pop(req.rid, None)
         self.live.pop(req.rid, None)
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.drop(req)
         self.pool.release(req.row)
 
     def commit(self, req: Request, tokens: list[int], drafts: list[int],
                hold: bool = False, accepted: int | None = None,
                logprobs: tuple[TokenLogprob, ...] | None = None,
-               prompt_logprobs: tuple | None = None) -> None:
+               prompt_logprobs: tuple | None = None, cached_tokens: int | None = None) -> None:
         """``hold``: the request is in the round in flight, which releases its row.
         ``logprobs``: one per token (cut with the tokens at a stop or the length)."""
         kept = req.emit(tokens)
@@ -164,7 +183,8 @@ class Scheduler:
             self.release(req)
         self.outbox.append(StepOutput(req.rid, kept, req.finished, drafts, accepted=accepted,
                                       logprobs=logprobs and logprobs[:len(kept)],
-                                      prompt_logprobs=prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs,
+                                      cached_tokens=cached_tokens))
 
     def fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
         reason = f"{where}: {type(exc).__name__}: {str(exc)[:500]}"

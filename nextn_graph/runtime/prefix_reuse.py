@@ -1,0 +1,135 @@
+"""The engine's use of the prefix cache (``memory/prefix.py``): admission reuses the
+longest cached prefix of a prompt, a prefill keeps the state at the page boundaries it
+computes, and a finished prefill caches its prompt's blocks.
+
+A hit at ``M`` positions (whole pages, at most ``len(prompt) - 1``) reuses:
+- the pages of positions ``< M``: compressed entries and indexer keys, shared read-only
+  (a request writes entries only at positions it computes, all ``>= M``);
+- the snapshot row of the match's end: the SWA window and C4's raw block before ``M``, in
+  every layer of both models, copied onto the request's rings before its first chunk;
+- the target's hidden at ``M - 1``, kept with the snapshot: the draft's KV at ``M - 1``
+  was computed from token ``M`` of the prompt that filled the cache, so the first chunk
+  recomputes that one draft row from the kept hidden and this prompt's token ``M`` (no
+  whole-block drop, and no dependence on whether the next tokens match).
+Everything else (positions ``M ..``) is prefilled as usual, so a hit's tokens and drafts
+are those of a cold prefill. Host bookkeeping; ``PrefillPrefix`` is what every rank
+does on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from ..memory.pool import KVPool
+from ..memory.prefix import PrefixCache
+from .request import Request
+
+if TYPE_CHECKING:  # eagle reads PrefillPrefix from here
+    from .eagle import SpecModels
+
+
+@dataclass(frozen=True)
+class PrefillPrefix:
+    """A prefill step's prefix-cache work on the device, the same on every rank."""
+
+    restore: tuple[tuple[int, int], ...] = ()  # (snapshot row, request row) copied first
+    # per forward row: the snapshot row of the row's next page boundary (0: none); ()
+    # when no row keeps anything (the forward then skips the snapshot writes)
+    snapshot_row: tuple[int, ...] = ()
+    # per chunk: the snapshot row whose kept hidden seeds a draft row at start - 1 (0: none)
+    seeds: tuple[int, ...] = ()
+    keep: tuple[tuple[int, int], ...] = ()  # (forward row, snapshot row): hidden at M - 1
+
+
+NO_PREFIX = PrefillPrefix()
+
+
+class PrefixReuse:
+    """``carry``: the most positions before a boundary that any ring keeps."""
+
+    def __init__(self, cache: PrefixCache, pool: KVPool, carry: int):
+        self.cache, self.pool, self.carry = cache, pool, carry
+        self.page_size = pool.layout.page_size
+
+    def admit(self, req: Request, positions: int) -> bool:
+        """A row and pages for ``req``, its prompt's longest cached prefix shared; False
+        (nothing changed) when the pool has no room even after eviction."""
+        cache, pool = self.cache, self.pool
+        limit = len(req.prompt) - 1 if req.prompt_logprobs is None else 0  # they need every row
+        m = cache.match(req.prompt, limit, count=False)
+        cache.lock(m)  # before evicting: the eviction must not drop the match itself
+        shared = len(m.pages)
+        if not pool.fits(positions, shared) and pool.free_rows:
+            cache.evict(pool.pages_needed(positions) - shared - pool.free_pages)
+        if not pool.fits(positions, shared):
+            cache.unlock(m)
+            return False
+        req.row = pool.alloc(positions, shared=m.pages)
+        req.match, req.cached = m, m.tokens
+        req.prefilled = m.tokens
+        cache.stats.record(len(req.prompt), m.tokens)
+        return True
+
+    def plan(self, plan: list[tuple[Request, int]]) -> PrefillPrefix:
+        """The device work of prefilling ``plan`` (request, end): snapshot rows taken for
+        the boundaries its chunks reach, restores and draft seeds for first chunks after a
+        hit."""
+        ps = self.page_size
+        restore, snapshot_row, seeds, keep = [], [], [], []
+        at = 0
+        for req, end in plan:
+            start = req.prefilled
+            first_hit = start == req.cached > 0
+            if first_hit:
+                restore.append((req.match.snap, req.row))
+            seeds.append(req.match.snap if first_hit else 0)
+            # boundaries M past the hit, within the prompt, whose kept positions
+            # [M - carry, M) this chunk computes
+            lo = max(req.cached + ps, (start // ps + 1) * ps)
+            for boundary in range(lo, min(len(req.prompt), end + self.carry) + 1, ps):
+                if boundary - self.carry < end and boundary not in req.snaps:
+                    req.snaps[boundary] = self.cache.take_snapshot()
+            for p in range(start, end):
+                snap = req.snaps.get((p // ps + 1) * ps, 0)
+                snapshot_row.append(snap)
+                if snap and (p + 1) % ps == 0:
+                    keep.append((at + p - start, snap))
+            at += end - start
+        return PrefillPrefix(tuple(restore), tuple(snapshot_row) if any(snapshot_row) else (),
+                             tuple(seeds) if any(seeds) else (), tuple(keep))
+
+    def prefilled(self, req: Request) -> None:
+        """``req``'s prompt is in the pools: its whole blocks go into the tree (each with
+        the snapshot of its end), and its match is unlocked."""
+        ps = self.page_size
+        blocks = len(req.prompt) // ps
+        snaps = [req.snaps.pop((i + 1) * ps, 0) for i in range(blocks)]
+        self.cache.insert(req.prompt[:blocks * ps], self.pool.held[req.row][:blocks], snaps)
+        self.drop(req)
+
+    def drop(self, req: Request) -> None:
+        """``req`` reads the tree no more (prefilled, failed, aborted or requeued): its
+        match unlocked, snapshot rows it took but did not insert given back."""
+        if req.match is not None:
+            self.cache.unlock(req.match)
+            req.match = None
+        self.cache.give_back([s for s in req.snaps.values() if s])
+        req.snaps.clear()
+
+    def audit(self, requests: list[Request]) -> None:
+        """Pages: request rows and the tree hold every page exactly; snapshot rows: free,
+        the tree's and ``requests``' split them exactly (tests and debugging)."""
+        self.pool.audit(self.cache.holdings())
+        self.cache.audit([s for r in requests for s in r.snaps.values() if s])
+
+
+def prefix_reuse(models: SpecModels, where: str) -> PrefixReuse:
+    """The prefix cache over the target pool's pages and snapshot rows."""
+    pool = models.target_pool
+    if pool.pages is None:
+        raise ConfigError(f"{where}: key 'pool.prefix_cache' needs a model with compressed "
+                          f"layers: the cache shares their pages, and this one has none")
+    carry = max(r.carry for p in (pool, models.draft_pool) for r in p.rings())
+    return PrefixReuse(PrefixCache(pool.pages, pool.snapshot_rows), pool, carry)

@@ -40,6 +40,10 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
                         help="prompt tokens prefilled per step, longer prompts in chunks so "
                              "running streams keep a round every step; 0 = unlimited "
                              "(YAML scheduler.prefill_token_budget)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV pages of a prompt's cached prefix (whole pages, "
+                             "usage.prompt_tokens_details.cached_tokens); --no-prefix-cache "
+                             "prefills every prompt whole (YAML pool.prefix_cache)")
     parser.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
                         help="most alternatives per token a request may ask (logprobs, "
                              "top_logprobs, prompt_logprobs); overrides YAML graph.logprobs "

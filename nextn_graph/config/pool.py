@@ -13,8 +13,8 @@ class PoolConfig:
     max_context: int = 512  # positions per request: prompt + output + N
     page_size: int = 256  # positions of a page of compressed KV (a multiple of 128)
     num_pages: int = 0  # pages shared by the requests; 0: every row can reach max_context
-    prefix_cache: bool = False  # reuse the cached pages of a prompt's prefix (memory/prefix.py)
-    prefix_snapshots: int = 0  # page-boundary states the prefix cache keeps; 0: one per page
+    prefix_cache: bool = True  # reuse the cached pages of a prompt's prefix (memory/prefix.py)
+    prefix_snapshots: int = 0  # page-boundary states the prefix cache keeps; 0: 2 * max_requests
 
 
 def check_pool(pool: PoolConfig, verify_width: int, where: str) -> None:
@@ -28,8 +28,8 @@ def check_pool(pool: PoolConfig, verify_width: int, where: str) -> None:
         raise ConfigError(f"{where}: key 'pool.num_pages' must be at least 0 (0: enough "
                           f"for every row at max_context), got {pool.num_pages}")
     if pool.prefix_snapshots < 0:
-        raise ConfigError(f"{where}: key 'pool.prefix_snapshots' must be at least 0 (0: one "
-                          f"per page), got {pool.prefix_snapshots}")
+        raise ConfigError(f"{where}: key 'pool.prefix_snapshots' must be at least 0 (0: "
+                          f"2 * max_requests), got {pool.prefix_snapshots}")
     if pool.max_context < verify_width + 1:
         raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
                           f"than one verify window plus a prompt token")

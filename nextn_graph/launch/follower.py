@@ -26,6 +26,7 @@ from ..memory.batch import Chunk
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
+from ..runtime.prefix_reuse import PrefillPrefix
 from ..runtime.generate import plain_generate, reference_generate
 from ..sampling import SamplingParams
 from .ranks import load_on_ranks
@@ -83,12 +84,14 @@ def load_and_follow(group: TPGroup, cfg) -> int:
 
 @torch.no_grad()
 def follow_prefill(engine: SpecEngine, chunks: list[Chunk], nexts: list[int | None],
-                   params: list[SamplingParams], tables: list[tuple[int, list[int]]]) -> None:
+                   params: list[SamplingParams], tables: list[tuple[int, list[int]]],
+                   prefix: PrefillPrefix, marks: list[Chunk] | None) -> None:
     """Rank 0's prefill of a step's chunks, without reading the bonus tokens back; the
-    requests it admitted get the page-table rows it allocated (``tables``: (row, pages))."""
+    requests it admitted get the page-table rows it allocated (``tables``: (row, pages)),
+    and the prefix cache's copies and snapshots are rank 0's (``prefix``)."""
     for row, pages in tables:
         engine.models.target_pool.write_table(row, pages)
-    engine.prefill.run_chunks(chunks, nexts, params)
+    engine.prefill.run_chunks(chunks, nexts, params, prefix=prefix, marks=marks)
 
 
 @torch.no_grad()

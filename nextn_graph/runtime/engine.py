@@ -41,6 +41,12 @@ from .scheduler import Scheduler
 from .stats import SpecStats
 
 
+# pool.prefix_snapshots 0: two boundary states per request row. A state costs about a
+# request row's rings (V4-Flash: ~6 MB, 3x a page's entries), so one per page would
+# quadruple a long-context pool; more is a setting.
+DEFAULT_SNAPSHOTS_PER_ROW = 2
+
+
 class SpecEngine:
     def __init__(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
                  spec: SpeculativeConfig | None, pool: PoolConfig,
@@ -85,7 +91,8 @@ class SpecEngine:
         layout = PoolLayout(pool.max_requests, pool.max_context, width, pool.page_size,
                             pool.num_pages)
         if pool.prefix_cache:  # ring rows for the page-boundary states the cache keeps
-            layout = dataclasses.replace(layout, snapshot_rows=pool.prefix_snapshots or layout.pages)
+            layout = dataclasses.replace(layout, snapshot_rows=pool.prefix_snapshots or
+                                         DEFAULT_SNAPSHOTS_PER_ROW * pool.max_requests)
         self.max_context = pool.max_context
         # positions a verify window writes past a request's last output: S - 1, and N
         # more with overlap (the round launched before the request's end was read)

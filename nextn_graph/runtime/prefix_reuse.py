@@ -19,7 +19,7 @@ does on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from ..errors import ConfigError
 from ..memory.pool import KVPool
@@ -71,6 +71,18 @@ class PrefixReuse:
         req.prefilled = m.tokens
         cache.stats.record(len(req.prompt), m.tokens)
         return True
+
+    def waits(self, req: Request, prefilling: Iterable[Request]) -> bool:
+        """``req``'s next uncached page is being prefilled by another request, which will
+        cache it: ``req`` does better to wait for it than to compute it again (as
+        SGLang's in-batch prefix check deprioritises such requests)."""
+        limit = len(req.prompt) - 1 if req.prompt_logprobs is None else 0
+        end = self.cache.match(req.prompt, limit, count=False).tokens + self.page_size
+        if end > limit:
+            return False
+        head = req.prompt[:end]
+        return any(r.cached < end <= len(r.prompt) and r.prompt[:end] == head
+                   for r in prefilling)
 
     def plan(self, plan: list[tuple[Request, int]]) -> PrefillPrefix:
         """The device work of prefilling ``plan`` (request, end): snapshot rows taken for

@@ -109,8 +109,13 @@ class Scheduler:
         both for the head of the queue and the step has budget."""
         left = self.prefill_budget or sys.maxsize
         left -= sum(len(r.prompt) - r.prefilled for r in self.prefilling.values())
-        while left > 0 and self.num_waiting:
+        deferred: list[Request] = []  # wait for a prefix another request is prefilling
+        while left > 0 and self.waiting:
             req = self.waiting[0]
+            if not req.finished and self.prefix is not None and \
+                    self.prefix.waits(req, self.prefilling.values()):
+                deferred.append(self.waiting.popleft())
+                continue
             if not req.finished and not self._admit(req):
                 break
             self.waiting.popleft()
@@ -119,6 +124,7 @@ class Scheduler:
             self.num_waiting -= 1
             self.prefilling[req.rid] = req
             left -= len(req.prompt) - req.prefilled
+        self.waiting.extendleft(reversed(deferred))
 
     def _admit(self, req: Request) -> bool:
         """A row and pages for ``req`` (a prefix hit's shared), or False: no room."""

@@ -158,7 +158,17 @@ def summarize(load: Load, samples: list[Sample], wall: float, before: dict,
         "acceptance_length": round(delta("nextn_serve_acceptance_length_sum") / rounds, 3)
         if rounds else None,
         "acceptance_per_position": per_position,
+        "hit_rate": _hit_rate(delta, after),
     }
+
+
+def _hit_rate(delta, after: dict) -> float | None:
+    """The prefix cache's hit tokens over queried tokens in the run (None where the
+    server has no prefix cache)."""
+    if ("nextn_prefix_cache_queried_tokens_total", ()) not in after:
+        return None
+    asked = delta("nextn_prefix_cache_queried_tokens_total")
+    return round(delta("nextn_prefix_cache_hit_tokens_total") / asked, 4) if asked else 0.0
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

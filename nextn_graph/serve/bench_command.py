@@ -36,6 +36,8 @@ from ..errors import InputError  # noqa: E402
 from ..machine import run_stamp  # noqa: E402
 from ..model.config import load_config  # noqa: E402
 from .bench import MAX_REQUESTS, Job, Load, run_load  # noqa: E402
+from . import bench_prefix  # noqa: E402
+from .bench_prefix import CACHES, prefix_summary, with_cache  # noqa: E402
 from .limits import ENGINE_HOSTS, ServeSettings  # noqa: E402
 from .thread import ServerThread  # noqa: E402
 
@@ -60,17 +62,6 @@ def make_jobs(vocab: int, n: int, seed: int, shared_prefix: int = 0,
     return jobs
 
 
-def prefix_summary(jobs: list[Job], shared_prefix: int, group: int) -> dict:
-    """What a prefix cache could save on ``jobs`` at best: every job but the first of its
-    group finds the shared prefix cached (token-granular; a paged cache rounds it down to
-    its pages)."""
-    prompt = sum(len(j.prompt) for j in jobs)
-    shared = sum(shared_prefix for i in range(len(jobs)) if i % group) if shared_prefix else 0
-    return {"shared_prefix": shared_prefix, "prefix_group": group if shared_prefix else None,
-            "prompt_tokens": prompt, "shareable_tokens": shared,
-            "ideal_hit_rate": round(shared / prompt, 4) if prompt else 0.0}
-
-
 def bench_config(args: argparse.Namespace) -> RunConfig:
     rows = args.max_requests or min(max(args.concurrency), MAX_POOL)
     # greedy jobs: no sampling graphs to capture
@@ -85,42 +76,52 @@ def engines_of(choice: str) -> tuple[str, ...]:
 
 def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Path,
                     seed: int = 0, engines: tuple[str, ...] = (ServeSettings.engine,),
-                    repeats: int = 1, shared_prefix: int = 0, prefix_group: int = 4) -> dict:
-    """Every (mode, engine) server up at once; each load level runs ``repeats`` times on
-    every server in turn (a machine's drifting load hits all alike), and the repeat with
-    the median throughput stands for it. The load's client runs in a process of its own,
-    so this process holds the servers' HTTP sides (and the thread servers' engines)
-    alone."""
-    keys = [(mode, engine) for engine in engines for mode in MODES]
-    rows, tokens = [], {}
+                    repeats: int = 1, shared_prefix: int = 0, prefix_group: int = 4,
+                    vocab: int | None = None) -> dict:
+    """Every (mode, engine, cache) server up at once; each load level runs ``repeats``
+    times on every server in turn (a machine's drifting load hits all alike), and the
+    repeat with the median throughput stands for it. The load's client runs in a process
+    of its own, so this process holds the servers' HTTP sides (and the thread servers'
+    engines) alone. ``shared_prefix``: the prefix cache on and off (``bench_prefix.py``),
+    and with ``vocab``, fresh prefixes for every level and repeat after the first."""
+    caches = CACHES if shared_prefix else ("on" if cfg.pool.prefix_cache else "off",)
+    keys = [(mode, engine, cache) for cache in caches for engine in engines for mode in MODES]
+    rows, tokens, run = [], {}, 0
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")))
         servers = {}
-        for mode, engine in keys:
+        for mode, engine, cache in keys:
             start = time.perf_counter()
             settings = ServeSettings(port=0, max_waiting=MAX_REQUESTS, engine=engine)
-            srv = stack.enter_context(ServerThread(cfg, settings, plain=mode == "plain"))
-            servers[mode, engine] = srv, round(time.perf_counter() - start, 2)
+            srv = stack.enter_context(ServerThread(with_cache(cfg, cache), settings,
+                                                   plain=mode == "plain"))
+            servers[mode, engine, cache] = srv, round(time.perf_counter() - start, 2)
         for load in loads:
             runs: dict[tuple, list[dict]] = {key: [] for key in keys}
             for _ in range(repeats):
+                mine = jobs if not (shared_prefix and vocab and run) else make_jobs(
+                    vocab, len(jobs), seed + run, shared_prefix, prefix_group)
+                ideal = prefix_summary(mine, shared_prefix, prefix_group, cfg.pool.page_size)
+                run += 1
                 for key, (srv, _) in servers.items():
-                    summary, samples = client.submit(run_load, srv.url, load, jobs,
+                    summary, samples = client.submit(run_load, srv.url, load, mine,
                                                      seed).result()
-                    runs[key].append(summary)
+                    runs[key].append({**summary, "ideal_paged_hit_rate":
+                                      ideal.get("ideal_paged_hit_rate", 0.0)})
                     tokens[key + (load.label,)] = [s.tokens if s and not s.error else None
                                                    for s in samples]
-            for (mode, engine), mine in runs.items():
+            for (mode, engine, cache), mine in runs.items():
                 each = [r["throughput_tok_s"] or 0.0 for r in mine]
                 median = sorted(mine, key=lambda r: r["throughput_tok_s"] or 0.0)[len(mine) // 2]
-                rows.append({"mode": mode, "engine": engine, "startup_s": servers[mode, engine][1],
+                rows.append({"mode": mode, "engine": engine, "cache": cache,
+                             "startup_s": servers[mode, engine, cache][1],
                              **median, "throughput_each": each,
                              "failed": sum(r["failed"] for r in mine)})
     for row in rows:  # greedy: every server gives every job the same tokens
-        mine = tokens[(row["mode"], row["engine"], row["load"])]
+        mine = tokens[(row["mode"], row["engine"], row["cache"], row["load"])]
         others = [tokens[key + (row["load"],)] for key in keys
-                  if key != (row["mode"], row["engine"])]
+                  if key != (row["mode"], row["engine"], row["cache"])]
         pairs = [(x, [o[i] for o in others]) for i, x in enumerate(mine) if x is not None]
         same = sum(all(y is None or y == x for y in ys) for x, ys in pairs)
         row["same_tokens"] = f"{same}/{len(pairs)}"
@@ -130,8 +131,10 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
                          "engines": list(engines), "repeats": repeats, **run_stamp()},
               "jobs": {"count": len(jobs), "prompt_lengths": PROMPT_LENGTHS,
                        "output_lengths": OUTPUT_LENGTHS, "seed": seed,
-                       **prefix_summary(jobs, shared_prefix, prefix_group)},
-              "rows": rows, "split_over_thread": split_ratios(rows)}
+                       **prefix_summary(jobs, shared_prefix, prefix_group,
+                                        cfg.pool.page_size)},
+              "rows": rows, "split_over_thread": split_ratios(rows),
+              "prefix_cache": bench_prefix.comparisons(rows)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "serve_bench.md").write_text(markdown(report) + "\n")
@@ -142,7 +145,8 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
 def split_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
     """{load: {mode: the engine process's output throughput / the engine thread's}},
     where both ran."""
-    by = {(r["load"], r["mode"], r["engine"]): r["throughput_tok_s"] for r in rows}
+    by = {(r["load"], r["mode"], r["engine"]): r["throughput_tok_s"] for r in rows
+          if r["cache"] == rows[0]["cache"]}
     ratios: dict[str, dict[str, float]] = {}
     for (load, mode, engine), value in by.items():
         thread = by.get((load, mode, "thread"))
@@ -165,40 +169,38 @@ def markdown(report: dict) -> str:
              f"{' and in a '.join(c['engines'])}, the median of {c['repeats']} repeat(s); "
              f"greedy, prompts {report['jobs']['prompt_lengths']} x outputs "
              f"{report['jobs']['output_lengths']} tokens.", "",
-             "| load | mode | engine | ok/sent | tok/s | req/s | TTFT p50 / p99 ms "
-             "| TPOT p50 / p99 ms | ITL p50 / p99 ms | accept len | accept per position "
-             "| same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| load | mode | engine | prefix cache | ok/sent | tok/s | req/s "
+             "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | accept len "
+             "| accept per position | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = list(dict.fromkeys(r["load"] for r in report["rows"]))
     for r in sorted(report["rows"], key=lambda r: (order.index(r["load"]), r["mode"] != "spec",
-                                                   r["engine"] != "process")):
+                                                   r["engine"] != "process", r["cache"])):
         accept = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         per = ", ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
-        lines.append(f"| {r['load']} | {r['mode']} | {r['engine']} | {r['ok']}/{r['sent']} | "
+        lines.append(f"| {r['load']} | {r['mode']} | {r['engine']} | {r['cache']} | "
+                     f"{r['ok']}/{r['sent']} | "
                      f"{r['throughput_tok_s']} | {r['requests_per_s']} | {_pair(r, 'ttft')} | "
                      f"{_pair(r, 'tpot')} | {_pair(r, 'itl')} | {accept} | {per} | "
                      f"{r['same_tokens']} |")
     for load, ratio in report["split_over_thread"].items():
         each = ", ".join(f"{mode} {value:.2f}x" for mode, value in ratio.items())
         lines.append(f"\nOutput throughput, engine process / engine thread, {load}: {each}")
-    j = report["jobs"]
-    if j["shared_prefix"]:
-        lines.append(f"\nShared prefixes: {j['shared_prefix']} tokens per group of "
-                     f"{j['prefix_group']} prompts; a prefix cache could serve at most "
-                     f"{100 * j['ideal_hit_rate']:.1f}% of the {j['prompt_tokens']} prompt "
-                     f"tokens. This engine has no prefix cache yet: every prefill is cold.")
-    return "\n".join(lines)
+    return "\n".join(lines + bench_prefix.markdown(report))
 
 
 def plot(rows: list[dict], path: Path) -> None:
     loads = list(dict.fromkeys(r["load"] for r in rows))
-    keys = list(dict.fromkeys((r["mode"], r["engine"]) for r in rows))
+    keys = list(dict.fromkeys((r["mode"], r["engine"], r["cache"]) for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for (mode, engine), style in zip(keys, ("o-", "s--", "^-", "v--")):
-        mine = {r["load"]: r for r in rows if (r["mode"], r["engine"]) == (mode, engine)}
+    styles = ("o-", "s--", "^-", "v--", "o:", "s-.", "^:", "v-.")
+    for (mode, engine, cache), style in zip(keys, styles):
+        mine = {r["load"]: r for r in rows if (r["mode"], r["engine"], r["cache"]) ==
+                (mode, engine, cache)}
         for ax, key, title in zip(axes, ("throughput_tok_s", "ttft_p50_ms", "tpot_p50_ms"),
                                   ("output tokens / s", "TTFT p50 (ms)", "TPOT p50 (ms)")):
-            ax.plot(loads, [mine[x][key] or 0 for x in loads], style, label=f"{mode}, {engine}")
+            ax.plot(loads, [mine[x][key] or 0 for x in loads], style,
+                    label=f"{mode}, {engine}, prefix cache {cache}")
             ax.set_title(title)
             ax.set_xlabel("load")
     axes[0].legend()
@@ -224,7 +226,7 @@ def run_bench_serve_command(args: argparse.Namespace) -> int:
     jobs = make_jobs(vocab, args.requests, args.seed, args.shared_prefix, args.prefix_group)
     report = run_bench_serve(cfg, loads, jobs, Path(args.out), args.seed,
                              engines_of(args.engine), args.repeats, args.shared_prefix,
-                             args.prefix_group)
+                             args.prefix_group, vocab)
     print(markdown(report))
     print(f"wrote serve_bench.json, serve_bench.md and serve_bench.png in {args.out}")
     return 0

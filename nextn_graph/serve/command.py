@@ -36,7 +36,8 @@ from .limits import API_KEY_ENV, ServeSettings
 
 
 def serve_config(args: argparse.Namespace) -> RunConfig:
-    pool = {"max_requests": args.max_requests, "max_context": args.max_context}
+    pool = {"max_requests": args.max_requests, "max_context": args.max_context,
+            "prefix_cache": args.prefix_cache}
     return load_run_config(args.config, checkpoint=args.checkpoint, kernels=args.kernels,
                            pool=pool,
                            scheduler={"prefill_token_budget": args.prefill_token_budget},

@@ -12,7 +12,7 @@ the server or in its own process.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .snapshot import ENGINE_STATS, RUNNER_COUNTERS, EngineSnapshot
@@ -37,6 +37,16 @@ class _EngineCollector(Collector):
         for name in RUNNER_COUNTERS:
             yield CounterMetricFamily(f"nextn_engine_{name}", f"chunks.counters.{name}",
                                       value=snap.counters[name])
+        if snap.prefix is not None:  # as inference-perf reads a prefix cache
+            asked, hit, pages = snap.prefix
+            yield CounterMetricFamily("nextn_prefix_cache_queried_tokens", "prompt tokens "
+                                      "looked up in the prefix cache", value=asked)
+            yield CounterMetricFamily("nextn_prefix_cache_hit_tokens", "of those, served "
+                                      "from cached pages", value=hit)
+            yield GaugeMetricFamily("nextn_prefix_cache_hit_rate", "hit tokens / queried "
+                                    "tokens since start", value=hit / asked if asked else 0.0)
+            yield GaugeMetricFamily("nextn_prefix_cache_pages", "KV pages the prefix cache "
+                                    "holds", value=pages)
 
 
 class ServeMetrics:

@@ -59,6 +59,7 @@ class _Run:
         self.started = False  # an event came
         self.last: float | None = None  # when the last event came
         self.finish_reason: str | None = None  # stop | length | error, once ended
+        self.cached = 0  # prompt tokens the engine's prefix cache served (first event)
 
     def take(self, event: StepOutput) -> Piece:
         """The event's piece; an ``APIError`` (500) when the engine left out logprobs
@@ -66,6 +67,8 @@ class _Run:
         req, toks = self.job.req, list(event.new_tokens)
         ask, first = req.logprobs, not self.started
         self.started = True
+        if first:
+            self.cached = event.cached_tokens or 0
         logprobs = prompt = None
         if ask.output is not None:
             logprobs = _checked(event.logprobs, len(toks), "logprobs")
@@ -117,10 +120,16 @@ class Session:
 
     @property
     def usage(self) -> dict:
-        """Every prompt's tokens once, every choice's output (as vLLM counts)."""
+        """Every prompt's tokens once, every choice's output (as vLLM counts); of the
+        prompt tokens, those the prefix cache served (each prompt's best choice)."""
         n = sum(len(p) for p in self.req.prompts)
         m = sum(len(run.tokens) for run in self.runs)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        cached: dict[int, int] = {}
+        for run in self.runs:
+            i = run.job.choice.prompt
+            cached[i] = max(cached.get(i, 0), run.cached)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def stop_polling(self) -> None:
         self._disconnected = None

@@ -15,7 +15,7 @@ from ..runtime.request import StepOutput
 # engine.stats fields exported as counters (the rest are derived or describe the run)
 ENGINE_STATS = ("rounds", "request_rounds", "prefill_forwards", "verify_forwards",
                 "proposed_drafts", "accepted_drafts", "emitted_tokens", "prompt_tokens",
-                "faults", "failed_requests")
+                "cached_tokens", "faults", "failed_requests")
 RUNNER_COUNTERS = ("graph_replays", "eager_fallbacks", "padded_rows", "bucket_splits",
                    "overlapped_rounds", "sampled_chunks")
 
@@ -33,6 +33,9 @@ class EngineSnapshot:
     live: int  # engine requests the loop added and has not ended
     free_rows: int  # of the target pool
     has_work: bool  # the engine has requests waiting, running or in flight
+    # the prefix cache: (prompt tokens looked up, of those found cached, pages it holds),
+    # None where it is off
+    prefix: tuple[int, int, int] | None = None
 
 
 class Snapshots:
@@ -51,4 +54,7 @@ class Snapshots:
             {k: getattr(e.chunks.counters, k) for k in RUNNER_COUNTERS}, dict(runs),
             tuple((o.accepted, len(o.draft_tokens)) for o in outs
                   if o.accepted is not None and o.draft_tokens),  # plain rounds draft none
-            e.num_waiting, pending, live, e.models.target_pool.free_rows, e.has_work)
+            e.num_waiting, pending, live, e.models.target_pool.free_rows, e.has_work,
+            None if e.prefix is None else (e.prefix.cache.stats.asked_tokens,
+                                           e.prefix.cache.stats.hit_tokens,
+                                           e.prefix.cache.cached_pages))

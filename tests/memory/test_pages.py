@@ -133,3 +133,35 @@ def test_random_requests_never_leak_a_page(seed):
             running[step] = (toks, list(m.pages) + pool.alloc(need), m)
         pool.audit({**{r: v[1] for r, v in running.items()}, **cache.holdings()})
     assert cache.stats.hit_tokens > 0
+
+
+def test_snapshot_rows_follow_the_nodes():
+    """Nodes own snapshot rows: a duplicate insert and the blocks past a missing snapshot
+    give theirs back, eviction frees a leaf's, ``take_snapshot`` evicts the least
+    recently used unlocked leaf when none is free, and the audit counts rows taken."""
+    pool = PagePool(8, 2)
+    cache = PrefixCache(pool, snapshot_rows=[10, 11, 12])
+    pages = pool.alloc(2)
+    s1, s2 = cache.take_snapshot(), cache.take_snapshot()
+    assert (s1, s2) == (10, 11)
+    cache.audit(taken=[s1, s2])
+    assert cache.insert([1, 2, 3, 4], pages, [s1, s2]) == 2
+    assert cache.match([1, 2, 3, 4, 5]).snap == s2 and cache.match([1, 2, 9]).snap == s1
+    dup = pool.alloc(2)
+    s3 = cache.take_snapshot()
+    assert cache.insert([1, 2, 3, 4], dup, [s3, 0]) == 0  # cached already: s3 back
+    assert cache.free_snapshots == 1
+    other = pool.alloc(2)
+    assert cache.insert([7, 7, 8, 8], other, [0, cache.take_snapshot()]) == 0  # no state
+    assert cache.free_snapshots == 1 and cache.cached_pages == 2
+    m = cache.match([1, 2, 5])  # [1, 2] locked: only [3, 4] may go
+    cache.lock(m)
+    a, b = cache.take_snapshot(), cache.take_snapshot()  # the free one, then [3, 4]'s
+    assert {a, b} == {12, s2} and cache.cached_pages == 1
+    assert cache.take_snapshot() == 0  # [1, 2] is locked
+    cache.give_back([a, b])
+    cache.unlock(m)
+    cache.audit()
+    pool.release(pages + dup + other)
+    assert cache.evict(10) == 1 and cache.free_snapshots == 3
+    pool.audit({})

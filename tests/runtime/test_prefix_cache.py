@@ -116,20 +116,15 @@ def test_hits_give_the_cold_tokens_and_drafts(trained, cold, mode):
         / sum(len(a) - 1 for _, a, _ in cold.values()))
 
 
-def test_concurrent_prefills_of_one_prefix(trained, cold):
-    """All eight at once: the first four prefill together and find nothing cached (the
-    two that share a's first page both insert it: one insert wins, the other's snapshot
-    goes back), the four admitted later hit; the tokens are the cold ones; a second pass
-    hits more."""
+def test_concurrent_arrivals_wait_for_a_prefix_in_flight(trained, cold):
+    """All eight at once: a request whose next page another is prefilling waits for it
+    (a step) instead of computing it again, so the hits are those of the waves; the
+    tokens are the cold ones. A request asking for prompt logprobs never waits."""
     prompts = _prompts()
     eng = _engine(trained, MODES["fused"])
-    first = _serve(eng, prompts, [list(range(8))])
-    assert [first[i][2] for i in range(ROWS)] == [0] * ROWS
-    assert sum(first[i][2] for i in range(ROWS, 8)) > 0
-    assert all(first[i][0] == cold[i][0] for i in first)
-    again = _serve(eng, prompts, [list(range(8))])
-    assert all(again[i][0] == cold[i][0] for i in again)
-    assert sum(again[i][2] for i in again) > sum(first[i][2] for i in first)
+    got = _serve(eng, prompts, [list(range(8))])
+    assert [got[i][2] for i in range(8)] == [0, 256, 128, 0, 128, 128, 256, 0]
+    assert all(got[i][:2] == cold[i][:2] for i in got)
 
 
 def test_chunked_prefill_and_penalties_with_hits(trained):
@@ -186,3 +181,33 @@ def test_prompt_logprobs_and_switch(trained):
 def test_bad_prefix_settings_are_refused(trained):
     with pytest.raises(ConfigError, match="prefix_snapshots"):
         _engine(trained, snapshots=-1)
+
+
+def test_a_prefill_fault_leaves_the_cache_consistent(trained, cold):
+    """The prefill of the second wave (hits among them) raises: exactly those requests
+    fail, their locks and snapshot rows go back, the audit holds, the tree still serves
+    the third wave, and a retry of the failed prompts hits and gives the cold tokens."""
+    prompts = _prompts()
+    eng = _engine(trained, MODES["split"])
+    _serve(eng, prompts, WAVES[:1])
+    fired = []
+
+    def fault(module, args):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected prefill fault")
+    hook = eng.models.target.register_forward_pre_hook(fault)
+    rids = [eng.add_request(prompts[i], 16, stop_ids=[]) for i in WAVES[1]]
+    errors = {}
+    while eng.has_work:
+        for out in eng.step():
+            if out.error:
+                errors[out.rid] = out.error
+        _audit(eng)
+    hook.remove()
+    assert set(errors) == set(rids) and "injected prefill fault" in errors[rids[0]]
+    assert eng.prefix.cache.locked == 0 and not eng.models.target_pool.held
+    got = _serve(eng, prompts, [WAVES[1], WAVES[2]])
+    for i in WAVES[1] + WAVES[2]:
+        assert got[i][:2] == cold[i][:2], i
+    assert got[1][2] == 256

@@ -132,6 +132,32 @@ def test_tp2_tokens_equal_tp1_plain_spec_eager_and_graphs():
         assert want["spec_graphs"][0][i] == want["reference"][i][:r.max_new], i
 
 
+def run_prefix(group: TPGroup):
+    """Waves of shared-prefix prompts on a prefix-cached engine (rank 0) -> by prompt:
+    (tokens, accepted per round, cached tokens)."""
+    from test_prefix_cache import WAVES, _prompts, _serve
+    torch.set_num_threads(1)
+    models = load_checkpoint(TRAINED, tp=group)
+    if not group.is_driver:
+        return serve(models, group)
+    with torch.no_grad():
+        eng = SpecEngine(models.target, models.draft, SpeculativeConfig(num_steps=3),
+                         PoolConfig(4, 512, page_size=128, num_pages=16, prefix_cache=True),
+                         GRAPHS)
+        out = _serve(eng, _prompts(), WAVES)
+    shutdown(group)
+    return out
+
+
+def test_tp2_prefix_cache_hits_equal_tp1():
+    """The followers restore, snapshot and seed as rank 0 says (the prefill message):
+    tp = 2 with prefix hits gives tp = 1's tokens, drafts and hits."""
+    got = spawn(run_prefix, 2, (), timeout_s=120)[0]
+    want = run_prefix(TPGroup.single())
+    assert got == want
+    assert sum(c for _, _, c in want.values()) > 0
+
+
 @pytest.mark.slow
 def test_tp4_tokens_equal_tp1():
     """tp = 4 on a tiny variant whose heads, groups, indexer heads and experts divide by 4:

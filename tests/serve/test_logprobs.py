@@ -242,7 +242,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, k, stream):
             "temperature": 0, "return_token_ids": True,
             "stop_token_ids": [_greedy_first(server, PROMPT)]}
     want_usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
-                  "total_tokens": len(PROMPT)}
+                  "total_tokens": len(PROMPT), "prompt_tokens_details": {"cached_tokens": 0}}
     if stream:
         r = server.http.post("/v1/completions", json={
             **body, "stream": True, "stream_options": {"include_usage": True}})
@@ -292,7 +292,8 @@ def test_echo_with_max_tokens_0_for_n_choices_of_a_batch(server):
         assert len(plp) == len(prompt) and plp[0] is None
         assert [list(p)[0] for p in plp[1:]] == [str(t) for t in prompt[1:]]
     assert out["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0,
-                            "total_tokens": sum(map(len, prompts))}
+                            "total_tokens": sum(map(len, prompts)),
+                            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_max_tokens_0_needs_room_for_the_hidden_token(server):

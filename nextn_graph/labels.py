@@ -35,10 +35,11 @@ MOE_GATE = "moe_gate"
 MOE_SHARED = "moe_shared"
 MOE_ROUTED = "moe_routed"
 KV_CACHE = "kv_cache"
+PAGE_TABLE = "page_table"  # the page-table gathers: request pages, entry rows, write slots
 BOOKKEEPING = "bookkeeping"
 ACCEPT_SAMPLING = "accept/sampling"
 LABELS = (ATTENTION, INDEXER, COMPRESSOR, MHC, EMBED, HEAD, NEXTN_FUSE, NORM, MOE_GATE,
-          MOE_SHARED, MOE_ROUTED, KV_CACHE, BOOKKEEPING, ACCEPT_SAMPLING)
+          MOE_SHARED, MOE_ROUTED, KV_CACHE, PAGE_TABLE, BOOKKEEPING, ACCEPT_SAMPLING)
 
 OTHER = "other"  # an op no frame of its stack labels (never declared)
 DEFER = None  # declared: the caller decides

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import CapacityError
 from ..kernels.indexer import key_rows
-from ..labels import KV_CACHE
+from ..labels import KV_CACHE, PAGE_TABLE, labelled
 from .batch import ForwardPlan
 from .pages import PagePool, check_counts, pages_for
 from .shapes import (CacheDims, CompressedShape, LayerShape, PoolLayout, device_memory_bytes,
@@ -134,10 +134,12 @@ class CompressedCache:
     per_page: int  # entries of one page: page_size // ratio
     table: torch.Tensor  # [rows, pages_per_request] int32: the pool's page table
 
+    @labelled(PAGE_TABLE)
     def pages(self, plan: ForwardPlan) -> torch.Tensor:
         """[T, P] int32: the page ids of each row's request (one gather per forward)."""
         return plan.memo("request_pages", lambda: self.table[plan.batch.req_index])
 
+    @labelled(PAGE_TABLE)
     def rows(self, plan: ForwardPlan) -> torch.Tensor:
         """[T, per_request] int64: the ``entries`` row of each entry slot of each row's
         request (once per forward and entry size)."""
@@ -148,15 +150,19 @@ class CompressedCache:
     def write_entries(self, entry: torch.Tensor, plan: ForwardPlan, ratio: int) -> None:
         """Rows closing a block (``(p+1) % ratio == 0``) store entry ``(p+1)//ratio - 1``;
         ``entry`` [K, d] holds one entry per row of ``plan``, the others go to slot 0."""
-        def make() -> torch.Tensor:
-            b = plan.batch
-            closes = (b.positions + 1) % ratio == 0
-            j = ((b.positions + 1) // ratio - 1).clamp(min=0)  # [K]
-            page = self.table[b.req_index, (j // self.per_page).clamp(
-                max=self.table.shape[1] - 1)].long()
-            return (page * self.per_page + j % self.per_page) * closes  # slot 0: no block
-        slot = plan.memo(("entry_write", self.per_page, ratio), make)
+        slot = plan.memo(("entry_write", self.per_page, ratio),
+                         lambda: self._write_slots(plan, ratio))
         self.entries.index_copy_(0, slot, entry)
+
+    @labelled(PAGE_TABLE)
+    def _write_slots(self, plan: ForwardPlan, ratio: int) -> torch.Tensor:
+        """[K] the ``entries`` row each row of ``plan`` writes (0: it closes no block)."""
+        b = plan.batch
+        closes = (b.positions + 1) % ratio == 0
+        j = ((b.positions + 1) // ratio - 1).clamp(min=0)  # [K]
+        page = self.table[b.req_index, (j // self.per_page).clamp(
+            max=self.table.shape[1] - 1)].long()
+        return (page * self.per_page + j % self.per_page) * closes  # slot 0: no block
 
     def select_entries(self, plan: ForwardPlan, idx: torch.Tensor) -> torch.Tensor:
         """Entries ``idx`` [T, k] of each row's request: [T, k, d] (one gather)."""

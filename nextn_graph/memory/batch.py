@@ -38,9 +38,9 @@ class ForwardBatch:
     # Static: how many request chunks the rows form (a padding row is its own), or None
     # if unknown. It bounds the rows that can close a compressed block.
     num_chunks: int | None = None
-    # [T] int64 or None: the ring row keeping the state at each row's next page boundary
-    # (the prefix cache's snapshot, 0: none); prefill forwards only
-    snapshot_row: torch.Tensor | None = None
+    # [T] int64 or None: the prefix-cache snapshot that keeps the state at each row's
+    # next page boundary (0: none); prefill forwards only
+    snapshot: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -49,9 +49,9 @@ class ForwardBatch:
     @staticmethod
     def from_chunks(chunks: Sequence[Chunk], device: torch.device | str = "cpu",
                     pad_to: int | None = None,
-                    snapshot_row: Sequence[int] | None = None) -> "ForwardBatch":
+                    snapshot: Sequence[int] | None = None) -> "ForwardBatch":
         """Host-side build (eager paths only); padding rows are appended up to ``pad_to``.
-        ``snapshot_row``: one per chunk row (padding rows get 0)."""
+        ``snapshot``: one per chunk row (padding rows get 0)."""
         cols: list[list[int]] = [[], [], [], [], []]
         for c in chunks:
             n = len(c.tokens)
@@ -63,16 +63,16 @@ class ForwardBatch:
             for col, v in zip(cols, (0, 0, 0, 0, 1)):
                 col.append(v)
         t = [torch.tensor(col, dtype=torch.int64, device=device) for col in cols]
-        snap = None if snapshot_row is None else torch.tensor(
-            list(snapshot_row) + [0] * max(pad, 0), dtype=torch.int64, device=device)
-        return ForwardBatch(*t, num_chunks=len(chunks) + max(pad, 0), snapshot_row=snap)
+        snap = None if snapshot is None else torch.tensor(
+            list(snapshot) + [0] * max(pad, 0), dtype=torch.int64, device=device)
+        return ForwardBatch(*t, num_chunks=len(chunks) + max(pad, 0), snapshot=snap)
 
     def select(self, rows: torch.Tensor) -> "ForwardBatch":
         """The rows ``rows`` [K] of this batch (index tensors only: capture-safe)."""
         return ForwardBatch(*(f.index_select(0, rows) for f in (
             self.input_ids, self.positions, self.req_index, self.cache_start, self.seq_end)),
-            num_chunks=self.num_chunks, snapshot_row=None if self.snapshot_row is None
-            else self.snapshot_row.index_select(0, rows))
+            num_chunks=self.num_chunks, snapshot=None if self.snapshot is None
+            else self.snapshot.index_select(0, rows))
 
     def max_block_closers(self, ratio: int) -> int:
         """A static bound on rows with ``(p+1) % ratio == 0``: each chunk of n rows holds

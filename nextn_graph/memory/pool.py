@@ -66,17 +66,19 @@ class RingIndex:
 
 @dataclass
 class Ring:
-    """Per-request position-indexed ring: ``data`` [ring_rows * size, F].
+    """Per-request position-indexed ring: ``data`` [rows * size, F].
 
     ``carry``: the positions before a page boundary that positions past it read (the
     window for SWA, C4's overlapping block for a raw ring; 0: none). A prefill forward
-    whose batch names snapshot rows also stores those positions there, which is all a
+    whose batch names snapshots also stores those positions in ``snapshots`` [(S + 1) *
+    carry, F] (snapshot s at rows ``s * carry ..``, 0 the sink), which is all a
     prefix-cache hit at that boundary needs of this ring (``restore``)."""
 
     data: torch.Tensor
     size: int
     carry: int = 0
     page_size: int = 0
+    snapshots: torch.Tensor | None = None
 
     def index(self, plan: ForwardPlan, span: int) -> RingIndex:
         return plan.memo(("ring_index", self.size, span),
@@ -102,23 +104,31 @@ class Ring:
             slot = b.req_index * self.size + b.positions % self.size
             return slot * keep  # slot 0 where not kept
         self.data.index_copy_(0, plan.memo(("ring_write", self.size), make), chunk)
-        if plan.batch.snapshot_row is not None and self.carry:
-            key = ("ring_snapshot", self.size, self.carry, self.page_size)
-            self.data.index_copy_(0, plan.memo(key, lambda: self._snapshot_slots(plan)), chunk)
+        if plan.batch.snapshot is not None and self.snapshots is not None:
+            key = ("ring_snapshot", self.carry, self.page_size)
+            self.snapshots.index_copy_(0, plan.memo(key, lambda: self._snapshot_slots(plan)),
+                                       chunk)
 
     def _snapshot_slots(self, plan: ForwardPlan) -> torch.Tensor:
-        """[T] the snapshot row's slot of each row among the ``carry`` positions before
-        its next page boundary, 0 for the rest (``carry <= page_size``: one boundary)."""
+        """[T] each row's slot in the snapshot of its next page boundary, among the
+        ``carry`` positions before it; 0 (the sink) for the rest (``carry <= page_size``:
+        one boundary a position)."""
         b = plan.batch
-        snap = b.snapshot_row  # [T] the snapshot row of the row's next boundary, 0: none
+        snap = b.snapshot  # [T] the snapshot of the row's next boundary, 0: none
         boundary = (b.positions // self.page_size + 1) * self.page_size
-        keep = (b.positions >= boundary - self.carry) & (snap > 0)
-        return (snap * self.size + b.positions % self.size) * keep
+        offset = b.positions - (boundary - self.carry)  # [T] < carry
+        keep = (offset >= 0) & (snap > 0)
+        return (snap * self.carry + offset) * keep
 
-    def restore(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Whole ring rows ``src`` [R] copied onto rows ``dst`` [R] (a prefix hit)."""
-        rows = self.data.view(-1, self.size, self.data.shape[-1])  # [ring_rows, size, F]
-        rows.index_copy_(0, dst, rows[src])
+    def restore(self, snaps: torch.Tensor, rows: torch.Tensor, ends: torch.Tensor) -> None:
+        """Snapshot ``snaps`` [R] (the ``carry`` positions before boundary ``ends`` [R])
+        onto the ring slots of those positions in request rows ``rows`` [R]."""
+        if self.snapshots is None:
+            return
+        k = torch.arange(self.carry, device=rows.device)  # [carry]
+        src = snaps.unsqueeze(1) * self.carry + k  # [R, carry]
+        dst = rows.unsqueeze(1) * self.size + (ends.unsqueeze(1) - self.carry + k) % self.size
+        self.data.index_copy_(0, dst.reshape(-1), self.snapshots[src.reshape(-1)])
 
 
 @dataclass
@@ -190,7 +200,7 @@ def _check_layout(cfg: CacheDims, layout: PoolLayout, ratios: list[int]) -> None
             layout.num_pages < 0:
         raise CapacityError(f"pool num_pages must be an int of at least 0 (0: enough for "
                             f"every request at max_context), got {layout.num_pages!r}")
-    if layout.snapshot_rows and cfg.sliding_window > layout.page_size:
+    if layout.snapshots and cfg.sliding_window > layout.page_size:
         raise CapacityError(f"pool page_size {layout.page_size} is shorter than the sliding "
                             f"window {cfg.sliding_window}: a prefix-cache boundary keeps one "
                             f"window, which must fit in a page")
@@ -227,8 +237,10 @@ class KVPool:
         self.pages = PagePool(layout.pages, layout.page_size) if paged else None
 
         def ring(size: int, width: int, carry: int) -> Ring:
-            return Ring(torch.zeros(layout.ring_rows * size, width, device=device, dtype=dtype),
-                        size, carry, layout.page_size)
+            snaps = None if not (layout.snapshots and carry) else torch.zeros(
+                (layout.snapshots + 1) * carry, width, device=device, dtype=dtype)
+            return Ring(torch.zeros(rows * size, width, device=device, dtype=dtype),
+                        size, carry, layout.page_size, snaps)
 
         def compressed(shape: CompressedShape | None) -> CompressedCache | None:
             if shape is None:
@@ -325,22 +337,23 @@ class KVPool:
             self.pages.audit({**self.held, **(others or {})})
 
     @property
-    def snapshot_rows(self) -> range:
-        """The ring rows that hold the prefix cache's boundary states."""
-        return range(self.layout.rows, self.layout.ring_rows)
+    def snapshot_ids(self) -> range:
+        """The prefix cache's page-boundary states (``Ring.snapshots``; 0 is the sink)."""
+        return range(1, self.layout.snapshots + 1)
 
     def rings(self) -> list[Ring]:
         return [r for layer in self.layers for r in (
             layer.swa, *(c.raw for c in (layer.compressed, layer.index) if c is not None))]
 
-    def restore(self, src: list[int], dst: list[int]) -> None:
-        """Every ring's rows ``src`` copied onto rows ``dst`` (snapshot -> request row)."""
-        if not src:
+    def restore(self, snaps: list[int], rows: list[int], ends: list[int]) -> None:
+        """Every ring's snapshot ``snaps[i]`` (its state before boundary ``ends[i]``)
+        onto request row ``rows[i]`` (a prefix hit, before the row's first chunk)."""
+        if not snaps:
             return
         dev = self.table.device
-        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        s, r, e = (torch.tensor(x, device=dev) for x in (snaps, rows, ends))
         for ring in self.rings():
-            ring.restore(s, d)
+            ring.restore(s, r, e)
 
     def nbytes(self) -> int:
         total = self.table.nbytes
@@ -349,4 +362,4 @@ class KVPool:
             for c in (layer.compressed, layer.index):
                 if c is not None:
                     total += c.raw.data.nbytes + c.entries.nbytes
-        return total
+        return total + sum(r.snapshots.nbytes for r in self.rings() if r.snapshots is not None)

@@ -10,9 +10,9 @@ used first, until enough pages are back in the pool.
 
 A hit needs more than the pages: the SWA window before the match's end and C4's
 overlapping block of raw compressor state, per layer. The engine keeps them in a
-*snapshot row* per node (ring rows past the request rows, ``KVPool.snapshot_rows``),
-written by the prefill that computed the block; the tree hands those rows out
-(``take_snapshot``), owns them while a node holds one, and frees them with the node.
+*snapshot* per node (``Ring.snapshots``, ids ``KVPool.snapshot_ids``), written by the
+prefill that computed the block; the tree hands the ids out (``take_snapshot``), owns
+them while a node holds one, and frees them with the node.
 Host only.
 """
 
@@ -37,7 +37,7 @@ class _Node:
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     locks: int = 0  # requests reading this node's page now
     last_use: int = 0
-    snap: int = 0  # the snapshot row of the state at the block's end (0: none)
+    snap: int = 0  # the snapshot of the state at the block's end (0: none)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class PrefixMatch:
 
     @property
     def snap(self) -> int:
-        """The snapshot row of the state at the match's end (0 for a miss)."""
+        """The snapshot of the state at the match's end (0 for a miss)."""
         return self.node.snap
 
 
@@ -69,24 +69,24 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """``snapshot_rows``: the rows ``take_snapshot`` hands out (none: a tree of pages
-    alone, whose nodes hold no snapshot)."""
+    """``snapshots``: the ids ``take_snapshot`` hands out (none: a tree of pages alone,
+    whose nodes hold no snapshot)."""
 
-    def __init__(self, pages: PagePool, snapshot_rows: Sequence[int] = ()):
+    def __init__(self, pages: PagePool, snapshots: Sequence[int] = ()):
         self.pool, self.page_size = pages, pages.page_size
         self._root = _Node((), 0, None)
         self._clock = 0
         self._nodes = 0
         self.stats = PrefixStats()
-        self.snapshot_rows = tuple(snapshot_rows)
-        self._free_snaps = list(reversed(self.snapshot_rows))  # popped from the end
+        self.snapshots = tuple(snapshots)
+        self._free_snaps = list(reversed(self.snapshots))  # popped from the end
 
     @property
     def free_snapshots(self) -> int:
         return len(self._free_snaps)
 
     def take_snapshot(self) -> int:
-        """A free snapshot row, evicting the least recently used unlocked leaf if none is
+        """A free snapshot, evicting the least recently used unlocked leaf if none is
         free -> the row, or 0 when every row is held (by locked paths or pending
         inserts)."""
         if not self._free_snaps:
@@ -96,8 +96,8 @@ class PrefixCache:
     def give_back(self, snaps: Sequence[int]) -> None:
         """Snapshot rows taken but not inserted (a failed or duplicate prefill)."""
         for s in snaps:
-            if s not in self.snapshot_rows or s in self._free_snaps:
-                raise CapacityError(f"prefix cache: snapshot row {s} was not taken")
+            if s not in self.snapshots or s in self._free_snaps:
+                raise CapacityError(f"prefix cache: snapshot {s} was not taken")
             self._free_snaps.append(s)
 
     @property
@@ -147,23 +147,23 @@ class PrefixCache:
     def insert(self, tokens: Sequence[int], pages: Sequence[int],
                snaps: Sequence[int] | None = None) -> int:
         """Cache the whole blocks of ``tokens``, block i in ``pages[i]`` (a request's
-        pages, computed) and its end's state in snapshot row ``snaps[i]`` (taken with
+        pages, computed) and its end's state in snapshot ``snaps[i]`` (taken with
         ``take_snapshot``; 0: none, which ends the insert there) -> blocks added. A block
         already cached keeps its page and snapshot: the request's page stays the
-        request's to release, its snapshot row goes back to the free list, as do those
+        request's to release, its snapshot goes back to the free list, as do those
         of blocks past where the insert ended. A new block's page gets one more holder,
         the tree."""
         blocks = self._blocks(tokens, len(tokens))
         snaps = [0] * len(blocks) if snaps is None else list(snaps)
         if len(pages) < len(blocks) or len(snaps) < len(blocks):
             raise CapacityError(f"prefix cache: {len(blocks)} blocks of tokens but "
-                                f"{len(pages)} pages and {len(snaps)} snapshot rows")
+                                f"{len(pages)} pages and {len(snaps)} snapshots")
         self._clock += 1
         node, added, unused = self._root, 0, []
         for i, (block, page) in enumerate(zip(blocks, pages)):
             child = node.children.get(block)
             if child is None:
-                if self.snapshot_rows and not snaps[i]:  # no state kept: nothing deeper
+                if self.snapshots and not snaps[i]:  # no state kept: nothing deeper
                     unused += [s for s in snaps[i:] if s]
                     break
                 self.pool.share([page])
@@ -179,7 +179,7 @@ class PrefixCache:
 
     def evict(self, pages: int, snapshots: int = 0) -> int:
         """Drop unlocked leaves, least recently used first, until ``pages`` pages went
-        back to the pool and ``snapshots`` snapshot rows to the free list (or nothing is
+        back to the pool and ``snapshots`` snapshots to the free list (or nothing is
         left to drop) -> pages freed. A dropped node whose page a running request still
         holds frees nothing yet: that page goes back when the request releases it."""
         heap = [(n.last_use, id(n), n) for n in self._leaves() if n.locks == 0]
@@ -215,12 +215,12 @@ class PrefixCache:
 
     def audit(self, taken: Sequence[int] = ()) -> None:
         """Snapshot rows: the free ones, the nodes' and ``taken`` (held by prefills not
-        yet inserted) split ``snapshot_rows`` exactly (tests and debugging)."""
+        yet inserted) split ``snapshots`` exactly (tests and debugging)."""
         held = [n.snap for n in self._nodes_list() if n.snap] + list(taken)
         every = sorted(held + self._free_snaps)
-        if every != sorted(self.snapshot_rows):
-            raise AssertionError(f"prefix cache snapshot rows disagree: {len(self._free_snaps)} "
-                                 f"free, {len(held)} held, of {len(self.snapshot_rows)}")
+        if every != sorted(self.snapshots):
+            raise AssertionError(f"prefix cache snapshots disagree: {len(self._free_snaps)} "
+                                 f"free, {len(held)} held, of {len(self.snapshots)}")
 
     @property
     def locked(self) -> int:

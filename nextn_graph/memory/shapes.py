@@ -33,17 +33,11 @@ class PoolLayout:
     verify_width: int  # N, the largest window one forward writes per request
     page_size: int = PAGE_SIZE  # positions of a page of compressed entries
     num_pages: int = 0  # pages of the pool; 0: every request can reach max_context
-    snapshot_rows: int = 0  # ring rows past the request rows: the prefix cache's boundaries
+    snapshots: int = 0  # page-boundary states the prefix cache keeps (ids 1..snapshots)
 
     @property
     def rows(self) -> int:
         return self.max_requests + 1
-
-    @property
-    def ring_rows(self) -> int:
-        """Rows of every ring: row 0, the request rows, then the snapshot rows (the ring
-        state at a cached page boundary, ``memory/prefix.py``)."""
-        return self.rows + self.snapshot_rows
 
     @property
     def pages_per_request(self) -> int:
@@ -80,6 +74,7 @@ class LayerShape:
     """Sizes of one layer's cache; ``KVPool`` allocates exactly these."""
 
     swa_ring: int  # window + N - 1
+    swa_carry: int  # positions before a page boundary that positions past it read: window
     head_dim: int
     compressed: CompressedShape | None  # ratio 4 / 128 only
     index: CompressedShape | None  # ratio 4 only
@@ -94,7 +89,7 @@ class LayerShape:
                                    max(1, layout.max_context // ratio),
                                    layout.page_size // ratio, dim, (coff - 1) * ratio)
 
-        return cls(cfg.sliding_window + n - 1, cfg.head_dim,
+        return cls(cfg.sliding_window + n - 1, cfg.sliding_window, cfg.head_dim,
                    compressed(cfg.head_dim) if ratio else None,
                    compressed(cfg.index_head_dim) if ratio == 4 else None)
 
@@ -112,6 +107,11 @@ class LayerShape:
         """Elements per page: the compressed entries and the indexer's keys."""
         return sum(c.page_elements for c in self.parts)
 
+    @property
+    def snapshot_elements(self) -> int:
+        """Elements per prefix-cache snapshot: each ring's ``carry`` positions."""
+        return self.swa_carry * self.head_dim + sum(c.carry * c.raw_width for c in self.parts)
+
 
 def pool_nbytes(cfg: CacheDims, layout: PoolLayout, ratios: list[int],
                 dtype: torch.dtype) -> int:
@@ -119,7 +119,9 @@ def pool_nbytes(cfg: CacheDims, layout: PoolLayout, ratios: list[int],
     equals ``KVPool.nbytes()`` of the built pool: request rows (rings), pages (entries)
     and the page table (int32) where any layer has compressed entries."""
     shapes = [LayerShape.of(cfg, layout, r) for r in ratios]
-    rows = layout.ring_rows * sum(s.row_elements for s in shapes)
+    rows = layout.rows * sum(s.row_elements for s in shapes)
+    if layout.snapshots:  # snapshot 0 is the sink of positions no snapshot keeps
+        rows += (layout.snapshots + 1) * sum(s.snapshot_elements for s in shapes)
     pages = (layout.pages + 1) * sum(s.page_elements for s in shapes)
     table = layout.rows * layout.pages_per_request * 4 if any(s.parts for s in shapes) else 0
     return (rows + pages) * dtype.itemsize + table

@@ -117,10 +117,10 @@ def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
     final chunk (None), the bonus, so it needs nothing from later chunks. -> for the F
     final chunks: (bonus [F], cand1 [F], seed [F, hc*H], q1 [F, V] or None, logprobs of
     ``lp_rows`` or None). The bonus is keyed as a round based at P - 1, cand1 at P.
-    ``prefix``: the rings keep page-boundary states in snapshot rows, ``boundary_hidden``
-    [ring_rows, hc*H] the target's hidden before each; a chunk seeded from one (a
+    ``prefix``: the rings keep page-boundary states in snapshots, ``boundary_hidden``
+    [snapshots + 1, hc*H] the target's hidden before each; a chunk seeded from one (a
     prefix hit's first) gets a draft row at start - 1 (``runtime/prefix_reuse.py``)."""
-    batch = ForwardBatch.from_chunks(chunks, device, snapshot_row=prefix.snapshot_row or None)
+    batch = ForwardBatch.from_chunks(chunks, device, snapshot=prefix.snapshot or None)
     out = m.target(batch, m.target_pool)
     if prefix.keep:  # the hidden before each boundary kept: a hit's first draft row reads it
         at, snap = (torch.tensor(x, device=device) for x in zip(*prefix.keep))
@@ -179,9 +179,9 @@ def seeded_draft_batch(chunks: list[Chunk], final: list[int], prefix: PrefillPre
     ids = torch.tensor([tok for tok, _ in seeds], device=device, dtype=shifted.dtype)
     snaps = torch.tensor([s for _, s in seeds], device=device)
     snap_rows = None
-    if prefix.snapshot_row:  # a seed row's boundary is the hit's: cached already
-        snap_rows = [prefix.snapshot_row[i] if i < t else 0 for i in src]
-    draft = ForwardBatch.from_chunks(dchunks, device, snapshot_row=snap_rows)
+    if prefix.snapshot:  # a seed row's boundary is the hit's: cached already
+        snap_rows = [prefix.snapshot[i] if i < t else 0 for i in src]
+    draft = ForwardBatch.from_chunks(dchunks, device, snapshot=snap_rows)
     draft = dataclasses.replace(draft, input_ids=torch.cat((shifted, ids))[index])
     rows = torch.cat((hidden, boundary_hidden[snaps]))[index]  # [T', hc*H]
     return draft, rows, torch.tensor([ends[i] for i in final], device=device, dtype=torch.long)

@@ -41,9 +41,9 @@ from .scheduler import Scheduler
 from .stats import SpecStats
 
 
-# pool.prefix_snapshots 0: two boundary states per request row. A state costs about a
-# request row's rings (V4-Flash: ~6 MB, 3x a page's entries), so one per page would
-# quadruple a long-context pool; more is a setting.
+# pool.prefix_snapshots 0: two boundary states per request row. A state is the SWA
+# window and C4's raw block of every layer (V4-Flash: ~6 MB, 3x a page's entries), so
+# one per page would quadruple a long-context pool; more is a setting.
 DEFAULT_SNAPSHOTS_PER_ROW = 2
 
 
@@ -90,8 +90,8 @@ class SpecEngine:
                                             "graph."), pool, where)
         layout = PoolLayout(pool.max_requests, pool.max_context, width, pool.page_size,
                             pool.num_pages)
-        if pool.prefix_cache:  # ring rows for the page-boundary states the cache keeps
-            layout = dataclasses.replace(layout, snapshot_rows=pool.prefix_snapshots or
+        if pool.prefix_cache:  # the page-boundary states the cache keeps
+            layout = dataclasses.replace(layout, snapshots=pool.prefix_snapshots or
                                          DEFAULT_SNAPSHOTS_PER_ROW * pool.max_requests)
         self.max_context = pool.max_context
         # positions a verify window writes past a request's last output: S - 1, and N
@@ -133,8 +133,8 @@ class SpecEngine:
                                    sched_cfg.prefill_token_budget,
                                    self.tp.rank if self.tp.parallel else None, self.lookahead,
                                    self.prefix if self.tp.is_driver else None)
-        hidden = (torch.zeros(layout.ring_rows, self.cfg.hc_dim, device=self.device, dtype=dtype)
-                  if pool.prefix_cache else None)
+        hidden = (torch.zeros(layout.snapshots + 1, self.cfg.hc_dim, device=self.device,
+                              dtype=dtype) if pool.prefix_cache else None)
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
                                  self.tp, self.engine_id, self.num_steps, penalties, hidden)
         self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,

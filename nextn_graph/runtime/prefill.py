@@ -36,7 +36,7 @@ class Prefiller:
         self.num_steps = num_steps
         self.penalties = penalties
         self.device = state.lengths.device
-        # [ring_rows, hc*H]: by snapshot row, the target's hidden before its boundary
+        # [snapshots + 1, hc*H]: by snapshot, the target's hidden before its boundary
         self.boundary_hidden = boundary_hidden
 
     @torch.no_grad()
@@ -134,9 +134,9 @@ class Prefiller:
                 none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
                 process = lambda x: pen.logits(x.unsqueeze(1), at, before, none).squeeze(1)  # noqa: E731
         if prefix.restore:  # a hit's ring state, before anything reads or writes the rows
-            src, dst = zip(*prefix.restore)
-            self.models.target_pool.restore(list(src), list(dst))
-            self.models.draft_pool.restore(list(src), list(dst))
+            snaps, onto, ends = (list(x) for x in zip(*prefix.restore))
+            self.models.target_pool.restore(snaps, onto, ends)
+            self.models.draft_pool.restore(snaps, onto, ends)
         bonus, cand1, seed, q1, lp = eagle.prefill(
             self.models, chunks, nexts, self.device, with_draft=self.num_steps > 0,
             params=row_params, lp_rows=lp_rows, lp_k=lp_k, process=process,

@@ -5,7 +5,7 @@ computes, and a finished prefill caches its prompt's blocks.
 A hit at ``M`` positions (whole pages, at most ``len(prompt) - 1``) reuses:
 - the pages of positions ``< M``: compressed entries and indexer keys, shared read-only
   (a request writes entries only at positions it computes, all ``>= M``);
-- the snapshot row of the match's end: the SWA window and C4's raw block before ``M``, in
+- the snapshot of the match's end: the SWA window and C4's raw block before ``M``, in
   every layer of both models, copied onto the request's rings before its first chunk;
 - the target's hidden at ``M - 1``, kept with the snapshot: the draft's KV at ``M - 1``
   was computed from token ``M`` of the prompt that filled the cache, so the first chunk
@@ -34,13 +34,14 @@ if TYPE_CHECKING:  # eagle reads PrefillPrefix from here
 class PrefillPrefix:
     """A prefill step's prefix-cache work on the device, the same on every rank."""
 
-    restore: tuple[tuple[int, int], ...] = ()  # (snapshot row, request row) copied first
-    # per forward row: the snapshot row of the row's next page boundary (0: none); ()
+    # (snapshot, request row, boundary): the ring state before the boundary, copied first
+    restore: tuple[tuple[int, int, int], ...] = ()
+    # per forward row: the snapshot of the row's next page boundary (0: none); ()
     # when no row keeps anything (the forward then skips the snapshot writes)
-    snapshot_row: tuple[int, ...] = ()
-    # per chunk: the snapshot row whose kept hidden seeds a draft row at start - 1 (0: none)
+    snapshot: tuple[int, ...] = ()
+    # per chunk: the snapshot whose kept hidden seeds a draft row at start - 1 (0: none)
     seeds: tuple[int, ...] = ()
-    keep: tuple[tuple[int, int], ...] = ()  # (forward row, snapshot row): hidden at M - 1
+    keep: tuple[tuple[int, int], ...] = ()  # (forward row, snapshot): the hidden at M - 1
 
 
 NO_PREFIX = PrefillPrefix()
@@ -85,17 +86,17 @@ class PrefixReuse:
                    for r in prefilling)
 
     def plan(self, plan: list[tuple[Request, int]]) -> PrefillPrefix:
-        """The device work of prefilling ``plan`` (request, end): snapshot rows taken for
+        """The device work of prefilling ``plan`` (request, end): snapshots taken for
         the boundaries its chunks reach, restores and draft seeds for first chunks after a
         hit."""
         ps = self.page_size
-        restore, snapshot_row, seeds, keep = [], [], [], []
+        restore, snapshot, seeds, keep = [], [], [], []
         at = 0
         for req, end in plan:
             start = req.prefilled
             first_hit = start == req.cached > 0
             if first_hit:
-                restore.append((req.match.snap, req.row))
+                restore.append((req.match.snap, req.row, req.cached))
             seeds.append(req.match.snap if first_hit else 0)
             # boundaries M past the hit, within the prompt, whose kept positions
             # [M - carry, M) this chunk computes
@@ -105,11 +106,11 @@ class PrefixReuse:
                     req.snaps[boundary] = self.cache.take_snapshot()
             for p in range(start, end):
                 snap = req.snaps.get((p // ps + 1) * ps, 0)
-                snapshot_row.append(snap)
+                snapshot.append(snap)
                 if snap and (p + 1) % ps == 0:
                     keep.append((at + p - start, snap))
             at += end - start
-        return PrefillPrefix(tuple(restore), tuple(snapshot_row) if any(snapshot_row) else (),
+        return PrefillPrefix(tuple(restore), tuple(snapshot) if any(snapshot) else (),
                              tuple(seeds) if any(seeds) else (), tuple(keep))
 
     def prefilled(self, req: Request) -> None:
@@ -123,7 +124,7 @@ class PrefixReuse:
 
     def drop(self, req: Request) -> None:
         """``req`` reads the tree no more (prefilled, failed, aborted or requeued): its
-        match unlocked, snapshot rows it took but did not insert given back."""
+        match unlocked, snapshots it took but did not insert given back."""
         if req.match is not None:
             self.cache.unlock(req.match)
             req.match = None
@@ -131,17 +132,17 @@ class PrefixReuse:
         req.snaps.clear()
 
     def audit(self, requests: list[Request]) -> None:
-        """Pages: request rows and the tree hold every page exactly; snapshot rows: free,
+        """Pages: request rows and the tree hold every page exactly; snapshots: free,
         the tree's and ``requests``' split them exactly (tests and debugging)."""
         self.pool.audit(self.cache.holdings())
         self.cache.audit([s for r in requests for s in r.snaps.values() if s])
 
 
 def prefix_reuse(models: SpecModels, where: str) -> PrefixReuse:
-    """The prefix cache over the target pool's pages and snapshot rows."""
+    """The prefix cache over the target pool's pages and snapshots."""
     pool = models.target_pool
     if pool.pages is None:
         raise ConfigError(f"{where}: key 'pool.prefix_cache' needs a model with compressed "
                           f"layers: the cache shares their pages, and this one has none")
     carry = max(r.carry for p in (pool, models.draft_pool) for r in p.rings())
-    return PrefixReuse(PrefixCache(pool.pages, pool.snapshot_rows), pool, carry)
+    return PrefixReuse(PrefixCache(pool.pages, pool.snapshot_ids), pool, carry)

@@ -48,7 +48,7 @@ class Request:
     prompt_lps: list[TokenLogprob] = field(default_factory=list)
     cached: int = 0  # prompt positions a prefix-cache hit reused (whole pages)
     match: PrefixMatch | None = None  # the hit's ``PrefixMatch``, locked while the prompt is prefilled
-    snaps: dict[int, int] = field(default_factory=dict)  # page boundary -> snapshot row
+    snaps: dict[int, int] = field(default_factory=dict)  # page boundary -> snapshot
 
     @property
     def samples(self) -> bool:

@@ -135,12 +135,12 @@ def test_random_requests_never_leak_a_page(seed):
     assert cache.stats.hit_tokens > 0
 
 
-def test_snapshot_rows_follow_the_nodes():
-    """Nodes own snapshot rows: a duplicate insert and the blocks past a missing snapshot
+def test_snapshots_follow_the_nodes():
+    """Nodes own snapshots: a duplicate insert and the blocks past a missing snapshot
     give theirs back, eviction frees a leaf's, ``take_snapshot`` evicts the least
     recently used unlocked leaf when none is free, and the audit counts rows taken."""
     pool = PagePool(8, 2)
-    cache = PrefixCache(pool, snapshot_rows=[10, 11, 12])
+    cache = PrefixCache(pool, snapshots=[10, 11, 12])
     pages = pool.alloc(2)
     s1, s2 = cache.take_snapshot(), cache.take_snapshot()
     assert (s1, s2) == (10, 11)

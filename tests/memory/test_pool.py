@@ -98,20 +98,24 @@ def test_pool_module_imports_first():
     assert proc.returncode == 0, proc.stderr[-500:]
 
 
-@pytest.mark.parametrize("max_requests, max_context, verify_width, dtype", [
-    (1, 512, 1, torch.float32), (3, 256, 4, torch.bfloat16), (2, 64, 8, torch.float16),
-    (5, 130, 3, torch.float32),  # a context that is no multiple of 4 or 128
+@pytest.mark.parametrize("max_requests, max_context, verify_width, dtype, snapshots", [
+    (1, 512, 1, torch.float32, 0), (3, 256, 4, torch.bfloat16, 0),
+    (2, 64, 8, torch.float16, 0),
+    (5, 130, 3, torch.float32, 0),  # a context that is no multiple of 4 or 128
+    (3, 512, 4, torch.float32, 7),  # prefix-cache snapshots: SWA window, C4 raw block
 ])
 def test_pool_estimate_equals_allocated_bytes(tiny, max_requests, max_context, verify_width,
-                                              dtype):
+                                              dtype, snapshots):
     """pool_nbytes, computed before allocating, equals nbytes() of the built pool and the
     bytes of its tensors, for target (ratios 0 / 4 / 128) and draft pools."""
-    layout = PoolLayout(max_requests, max_context, verify_width)
+    layout = PoolLayout(max_requests, max_context, verify_width, snapshots=snapshots)
     for ratios in (tiny.target.layer_ratios(), [NEXTN_COMPRESS_RATIO]):
         pool = KVPool(tiny.cfg, layout, ratios, dtype=dtype)
         tensors = [t for layer in pool.layers for t in (
             layer.swa.data, *(x for c in (layer.compressed, layer.index) if c is not None
                               for x in (c.raw.data, c.entries)))]
+        tensors += [r.snapshots for r in pool.rings() if r.snapshots is not None]
+        assert any(r.snapshots is not None for r in pool.rings()) == bool(snapshots)
         assert pool_nbytes(tiny.cfg, layout, ratios, dtype) == pool.nbytes()
         assert pool.nbytes() == sum(t.nbytes for t in tensors) + pool.table.nbytes
         assert pool.table.dtype == torch.int32 and pool.table.shape == (

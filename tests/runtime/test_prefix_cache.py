@@ -7,7 +7,7 @@ way: the token after the shared part differs, so the draft's KV at the match's e
 was computed from the next token) must be recomputed, not reused. Requests come in
 waves so that later ones find what earlier ones cached, and concurrently so that two
 requests prefill the same prefix at once. After every step the audit holds (pages held
-exactly by request rows and the tree, snapshot rows by the tree and pending prefills),
+exactly by request rows and the tree, snapshots by the tree and pending prefills),
 and at the end no request holds a page.
 """
 
@@ -151,7 +151,7 @@ def test_seeded_sampling_with_hits(trained):
 
 
 def test_eviction_under_page_and_snapshot_pressure(trained, cold):
-    """8 pages and 2 snapshot rows for 4 rows: the tree gives pages and snapshot rows
+    """8 pages and 2 snapshots for 4 rows: the tree gives pages and snapshots
     back, least recently used first, and admission waits for pages rather than evicting
     a locked prefix; every token is still the cold one."""
     prompts = _prompts()
@@ -185,7 +185,7 @@ def test_bad_prefix_settings_are_refused(trained):
 
 def test_a_prefill_fault_leaves_the_cache_consistent(trained, cold):
     """The prefill of the second wave (hits among them) raises: exactly those requests
-    fail, their locks and snapshot rows go back, the audit holds, the tree still serves
+    fail, their locks and snapshots go back, the audit holds, the tree still serves
     the third wave, and a retry of the failed prompts hits and gives the cold tokens."""
     prompts = _prompts()
     eng = _engine(trained, MODES["split"])

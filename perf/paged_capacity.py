@@ -13,6 +13,7 @@ mixed prompt lengths (64 to 4,096 tokens, uniform and log-uniform), each with
 head of the queue does not fit: that count decodes at once.
 
     python perf/paged_capacity.py [--fixed-rows 16] [--max-new 256] [--max-context C]
+                                  [--snapshots-per-row K]
 
 Host arithmetic only: no forward runs, nothing here is a device figure.
 """
@@ -58,6 +59,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--max-context", type=int, default=0,
                     help="the servers' max_context (0: the longest request, 4096 + max_new)")
+    ap.add_argument("--snapshots-per-row", type=int, default=0,
+                    help="prefix-cache snapshots the paged pool also pays for, per row "
+                         "(the engine's default is 2; 0: the cache off)")
     args = ap.parse_args()
     cfg = preset_config("v4-flash")
     ratios = list(cfg.compress_ratios[:cfg.num_hidden_layers])
@@ -67,7 +71,9 @@ def main() -> None:
     budget = pool_nbytes(cfg, fixed, ratios, dtype)
     print(f"V4-Flash caches ({len(ratios)} layers, bf16), max_context {context}, "
           f"max_new {args.max_new}, budget {budget / 2**30:.2f} GiB "
-          f"(= {args.fixed_rows} fixed rows)")
+          f"(= {args.fixed_rows} fixed rows), prefix-cache snapshots per paged row: "
+          f"{args.snapshots_per_row}")
+    k = args.snapshots_per_row
     print(f"{'prompts':<12} {'fixed rows':>10} {'paged':>6} {'rows':>5} {'pages':>6} "
           f"{'ratio':>6} {'mean prompt':>11}")
     for kind in ("uniform", "log-uniform"):
@@ -77,14 +83,15 @@ def main() -> None:
         best = (0, 0, 0)
         rows = args.fixed_rows
         while True:
-            probe = PoolLayout(rows, context, WIDTH, PAGE, num_pages=1)
+            probe = PoolLayout(rows, context, WIDTH, PAGE, num_pages=1, snapshots=k * rows)
             spare = budget - pool_nbytes(cfg, probe, ratios, dtype)
-            per_page = pool_nbytes(cfg, PoolLayout(rows, context, WIDTH, PAGE, num_pages=2),
+            per_page = pool_nbytes(cfg, PoolLayout(rows, context, WIDTH, PAGE, num_pages=2,
+                                                   snapshots=k * rows),
                                    ratios, dtype) - pool_nbytes(cfg, probe, ratios, dtype)
             if spare < 0:
                 break
             pages = 1 + spare // per_page
-            layout = PoolLayout(rows, context, WIDTH, PAGE, num_pages=pages)
+            layout = PoolLayout(rows, context, WIDTH, PAGE, num_pages=pages, snapshots=k * rows)
             assert pool_nbytes(cfg, layout, ratios, dtype) <= budget
             got = admitted(KVPool(cfg, layout, ratios, device="meta", dtype=dtype), prompts,
                            args.max_new)

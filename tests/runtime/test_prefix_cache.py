@@ -211,3 +211,16 @@ def test_a_prefill_fault_leaves_the_cache_consistent(trained, cold):
     for i in WAVES[1] + WAVES[2]:
         assert got[i][:2] == cold[i][:2], i
     assert got[1][2] == 256
+
+
+def test_plain_decoding_with_hits(trained):
+    """Without a draft (speculative None) hits reuse the target's pages and snapshots
+    alone: the oracle's tokens."""
+    prompts = _prompts()
+    eng = SpecEngine(trained.target, trained.draft, None,
+                     PoolConfig(ROWS, 512, page_size=PAGE, num_pages=16),
+                     GraphConfig(backend="cpu", buckets=(1, 2, 4)))
+    got = _serve(eng, prompts, WAVES)
+    assert [got[i][2] for i in range(8)] == [0, 256, 128, 0, 128, 128, 256, 0]
+    for i, p in enumerate(prompts):
+        assert got[i][0] == reference(trained.target, p, 16), i

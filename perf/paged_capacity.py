@@ -10,7 +10,10 @@ pages they fill (every row count that fits is tried; the best is reported). Requ
 mixed prompt lengths (64 to 4,096 tokens, uniform and log-uniform), each with
 ``--max-new`` output tokens, are admitted first come first served with the engine's rule
 (``Scheduler.positions``: prompt + max_new + lookahead reserved at admission) until the
-head of the queue does not fit: that count decodes at once.
+head of the queue does not fit: that count decodes at once. With pages on demand
+(``pool.allocation: grow``, the default) the same layout admits with the prompt's pages
+and the first round's: the ``grow`` column, an upper bound (requests grow as they
+decode, and the newest is preempted when the pages run out).
 
     python perf/paged_capacity.py [--fixed-rows 16] [--max-new 256] [--max-context C]
                                   [--snapshots-per-row K]
@@ -41,13 +44,15 @@ def lengths(kind: str, n: int, seed: int) -> list[int]:
     return [int(math.exp(rng.uniform(math.log(64), math.log(4096)))) for _ in range(n)]
 
 
-def admitted(pool: KVPool, prompts: list[int], max_new: int) -> int:
-    """Requests admitted in order until the head does not fit (the scheduler's rule)."""
+def admitted(pool: KVPool, prompts: list[int], max_new: int, grow: bool = False) -> int:
+    """Requests admitted in order until the head does not fit (the scheduler's rule:
+    ``Scheduler.reach``; ``grow``: the pages of the prompt and the first round only)."""
     n = 0
     for p in prompts:
-        if not pool.fits(p + max_new + LOOKAHEAD):
+        reach = p + (WIDTH + LOOKAHEAD if grow else max_new + LOOKAHEAD)
+        if not pool.fits(reach):
             break
-        pool.alloc(p + max_new + LOOKAHEAD)
+        pool.alloc(reach)
         n += 1
     return n
 
@@ -61,7 +66,7 @@ def main() -> None:
                     help="the servers' max_context (0: the longest request, 4096 + max_new)")
     ap.add_argument("--snapshots-per-row", type=int, default=0,
                     help="prefix-cache snapshots the paged pool also pays for, per row "
-                         "(the engine's default is 2; 0: the cache off)")
+                         "(the engine's default is 1; 0: the cache off)")
     args = ap.parse_args()
     cfg = preset_config("v4-flash")
     ratios = list(cfg.compress_ratios[:cfg.num_hidden_layers])
@@ -75,34 +80,43 @@ def main() -> None:
           f"{args.snapshots_per_row}")
     k = args.snapshots_per_row
     print(f"{'prompts':<12} {'fixed rows':>10} {'paged':>6} {'rows':>5} {'pages':>6} "
-          f"{'ratio':>6} {'mean prompt':>11}")
+          f"{'ratio':>6} {'grow':>6} {'ratio':>6} {'mean prompt':>11}")
     for kind in ("uniform", "log-uniform"):
         prompts = lengths(kind, args.requests, seed=0)
         base = admitted(KVPool(cfg, fixed, ratios, device="meta", dtype=dtype), prompts,
                         args.max_new)
-        best = (0, 0, 0)
-        rows = args.fixed_rows
-        while True:
-            probe = PoolLayout(rows, context, WIDTH, PAGE, num_pages=1, snapshots=k * rows)
-            spare = budget - pool_nbytes(cfg, probe, ratios, dtype)
-            per_page = pool_nbytes(cfg, PoolLayout(rows, context, WIDTH, PAGE, num_pages=2,
-                                                   snapshots=k * rows),
-                                   ratios, dtype) - pool_nbytes(cfg, probe, ratios, dtype)
-            if spare < 0:
-                break
-            pages = 1 + spare // per_page
-            layout = PoolLayout(rows, context, WIDTH, PAGE, num_pages=pages, snapshots=k * rows)
-            assert pool_nbytes(cfg, layout, ratios, dtype) <= budget
-            got = admitted(KVPool(cfg, layout, ratios, device="meta", dtype=dtype), prompts,
-                           args.max_new)
-            best = max(best, (got, rows, pages))
-            if got < rows:  # pages bound it: more rows only take bytes from pages
-                break
-            rows += max(1, args.fixed_rows // 8)
-        got, rows, pages = best
+        got, rows, pages = best_layout(cfg, ratios, budget, context, prompts, args, False)
+        grow = best_layout(cfg, ratios, budget, context, prompts, args, True)[0]
         print(f"{kind:<12} {base:>10} {got:>6} {rows:>5} {pages:>6} {got / base:>5.2f}x "
-              f"{sum(prompts) / len(prompts):>11.0f}")
+              f"{grow:>6} {grow / base:>5.2f}x {sum(prompts) / len(prompts):>11.0f}")
 
+
+def best_layout(cfg, ratios, budget: int, context: int, prompts: list[int], args,
+                grow: bool) -> tuple[int, int, int]:
+    """The paged layout of at most ``budget`` bytes that admits the most -> (admitted,
+    rows, pages): every row count from the fixed pool's up, the rest of the bytes in
+    pages, until pages bind it."""
+    dtype, k = torch.bfloat16, args.snapshots_per_row
+    best = (0, 0, 0)
+    rows = args.fixed_rows
+    while True:
+        probe = PoolLayout(rows, context, WIDTH, PAGE, num_pages=1, snapshots=k * rows)
+        spare = budget - pool_nbytes(cfg, probe, ratios, dtype)
+        per_page = pool_nbytes(cfg, PoolLayout(rows, context, WIDTH, PAGE, num_pages=2,
+                                               snapshots=k * rows),
+                               ratios, dtype) - pool_nbytes(cfg, probe, ratios, dtype)
+        if spare < 0:
+            break
+        pages = 1 + spare // per_page
+        layout = PoolLayout(rows, context, WIDTH, PAGE, num_pages=pages, snapshots=k * rows)
+        assert pool_nbytes(cfg, layout, ratios, dtype) <= budget
+        got = admitted(KVPool(cfg, layout, ratios, device="meta", dtype=dtype), prompts,
+                       args.max_new, grow)
+        best = max(best, (got, rows, pages))
+        if got < rows:  # pages bound it: more rows only take bytes from pages
+            break
+        rows += max(1, args.fixed_rows // 8)
+    return best
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..errors import ConfigError
 
@@ -14,7 +15,12 @@ class PoolConfig:
     page_size: int = 256  # positions of a page of compressed KV (a multiple of 128)
     num_pages: int = 0  # pages shared by the requests; 0: every row can reach max_context
     prefix_cache: bool = True  # reuse the cached pages of a prompt's prefix (memory/prefix.py)
-    prefix_snapshots: int = 0  # page-boundary states the prefix cache keeps; 0: 2 * max_requests
+    prefix_snapshots: int = 0  # page-boundary states the prefix cache keeps; 0: one per request row
+    # reserve: a request's pages for prompt + max_new at admission (it never waits again);
+    # grow: pages as it decodes, the newest request preempted (recomputed) when none are left
+    allocation: str = "grow"
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"allocation": ("reserve", "grow")}
 
 
 def check_pool(pool: PoolConfig, verify_width: int, where: str) -> None:
@@ -29,7 +35,7 @@ def check_pool(pool: PoolConfig, verify_width: int, where: str) -> None:
                           f"for every row at max_context), got {pool.num_pages}")
     if pool.prefix_snapshots < 0:
         raise ConfigError(f"{where}: key 'pool.prefix_snapshots' must be at least 0 (0: "
-                          f"2 * max_requests), got {pool.prefix_snapshots}")
+                          f"one per request row), got {pool.prefix_snapshots}")
     if pool.max_context < verify_width + 1:
         raise ConfigError(f"{where}: key 'pool.max_context' {pool.max_context} is smaller "
                           f"than one verify window plus a prompt token")

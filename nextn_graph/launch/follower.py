@@ -85,13 +85,15 @@ def load_and_follow(group: TPGroup, cfg) -> int:
 @torch.no_grad()
 def follow_prefill(engine: SpecEngine, chunks: list[Chunk], nexts: list[int | None],
                    params: list[SamplingParams], tables: list[tuple[int, list[int]]],
-                   prefix: PrefillPrefix, marks: list[Chunk] | None) -> None:
+                   prefix: PrefillPrefix, marks: list[Chunk] | None,
+                   resumes: list) -> None:
     """Rank 0's prefill of a step's chunks, without reading the bonus tokens back; the
     requests it admitted get the page-table rows it allocated (``tables``: (row, pages)),
     and the prefix cache's copies and snapshots are rank 0's (``prefix``)."""
     for row, pages in tables:
         engine.models.target_pool.write_table(row, pages)
-    engine.prefill.run_chunks(chunks, nexts, params, prefix=prefix, marks=marks)
+    engine.prefill.run_chunks(chunks, nexts, params, prefix=prefix, marks=marks,
+                              resumes=resumes)
 
 
 @torch.no_grad()
@@ -128,6 +130,9 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
             engines[msg.engine] = engine
         elif msg.kind == "prefill":
             follow_prefill(engines[msg.engine], *msg.payload)
+        elif msg.kind == "tables":  # pages grown before a round: rank 0's (row, pages)
+            for row, pages in msg.payload:
+                engines[msg.engine].models.target_pool.write_table(row, pages)
         elif msg.kind == "round":
             follow_round(engines[msg.engine], *msg.payload)
         elif msg.kind == "call":

@@ -307,6 +307,17 @@ class KVPool:
         self.write_table(row, pages)
         return row
 
+    def grow(self, row: int, n: int) -> None:
+        """``n`` more pages for request row ``row``, after its own (all or nothing)."""
+        if row not in self.held:
+            raise CapacityError(f"request row {row} is not allocated")
+        if len(self.held[row]) + n > self.layout.pages_per_request:
+            raise CapacityError(f"{len(self.held[row]) + n} pages exceed a request's "
+                                f"{self.layout.pages_per_request}")
+        pages = self.held[row] + self.pages.alloc(n)
+        self.write_table(row, pages)
+        self.held[row] = pages
+
     def write_table(self, row: int, pages: list[int]) -> None:
         """Row ``row`` of the device page table: ``pages``, then the sink (a follower rank
         writes what rank 0 allocated)."""

@@ -36,7 +36,7 @@ class Cmd(IntEnum):
 
 @dataclass(frozen=True)
 class Message:
-    kind: str  # "round" | "build" | "prefill" | "call" | "shutdown"
+    kind: str  # "round" | "build" | "prefill" | "tables" | "call" | "shutdown"
     engine: int = -1
     payload: Any = None  # round: (slots, lengths, sampled); others: the command's arguments
 

@@ -9,6 +9,7 @@ import collections
 
 import torch
 
+from ..parallel.control import Message
 from ..parallel.group import TPGroup
 from .chunks import ChunkResult, ChunkRunner
 from .request import Request, token_logprobs
@@ -40,8 +41,10 @@ class RoundDriver:
         while len(self.inflight) > 1:  # a read an interrupt cut short: finish it first
             self._finish_oldest()  # (the next launch would reuse its host buffer)
         live = [r for r in self.sched.running.values() if not r.finished]
+        if self.sched.grow and live:
+            live = self._grow(live)
         if not self.overlap:
-            return self._round_in_step(live)
+            return self._round_in_step(live) if live else None
         if not live or not self.chunks.fits_one(len(live)):
             # nothing to launch, or a split round: no overlap this time
             self._drain()
@@ -62,6 +65,25 @@ class RoundDriver:
         self.inflight.append((live, pending))
         while len(self.inflight) > 1:
             self._finish_oldest()
+
+    def _grow(self, live: list[Request]) -> list[Request]:
+        """Pages for this round's writes (``Scheduler.grow_pages``); a preemption waits
+        for the round in flight to be read, so every request it touches is committed.
+        -> the requests that still run."""
+        done, grown = self.sched.grow_pages(live, preempt=not self.inflight)
+        if not done:
+            self._drain()
+            live = [r for r in self.sched.running.values() if not r.finished]
+            _, more = self.sched.grow_pages(live, preempt=True)
+            grown += more
+        if grown and self.tp.parallel:  # the followers' page tables, before the round
+            try:
+                self.tp.channel.send(Message("tables", self.engine_id, grown))
+            except Exception as exc:
+                self.sched.fail_all(live, exc, "page tables")
+                self.inflight.clear()
+                return []
+        return [r for r in self.sched.running.values() if not r.finished]
 
     def _announce(self, reqs: list[Request]):
         """The round's slots and committed lengths; on a tensor-parallel group, rank 0's

@@ -112,14 +112,17 @@ def _candidate(logits: torch.Tensor, params: RowParams | None, base: torch.Tenso
 def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
             with_draft: bool = True, params: RowParams | None = None,
             lp_rows: torch.Tensor | None = None, lp_k: int = 0, process=None,
-            prefix: PrefillPrefix = NO_PREFIX, boundary_hidden: torch.Tensor | None = None):
+            prefix: PrefillPrefix = NO_PREFIX, boundary_hidden: torch.Tensor | None = None,
+            forced: torch.Tensor | None = None):
     """A chunk's last NextN row takes ``nexts[c]`` (the prompt's next token) or, for a
     final chunk (None), the bonus, so it needs nothing from later chunks. -> for the F
     final chunks: (bonus [F], cand1 [F], seed [F, hc*H], q1 [F, V] or None, logprobs of
     ``lp_rows`` or None). The bonus is keyed as a round based at P - 1, cand1 at P.
     ``prefix``: the rings keep page-boundary states in snapshots, ``boundary_hidden``
     [snapshots + 1, hc*H] the target's hidden before each; a chunk seeded from one (a
-    prefix hit's first) gets a draft row at start - 1 (``runtime/prefix_reuse.py``)."""
+    prefix hit's first) gets a draft row at start - 1 (``runtime/prefix_reuse.py``).
+    ``forced`` [F]: a bonus to keep instead of the one computed (a preempted request's,
+    recomputed; -1: none)."""
     batch = ForwardBatch.from_chunks(chunks, device, snapshot=prefix.snapshot or None)
     out = m.target(batch, m.target_pool)
     if prefix.keep:  # the hidden before each boundary kept: a hit's first draft row reads it
@@ -136,6 +139,8 @@ def prefill(m: SpecModels, chunks: list[Chunk], nexts: list[int | None], device,
         bonus = head.argmax(dim=-1)
     else:
         bonus = params.next_token(params.probs(head), lens - 1)
+    if forced is not None:
+        bonus = torch.where(forced >= 0, forced, bonus)
     shifted = None
     if with_draft or lp_rows is not None:
         shifted = torch.cat((batch.input_ids[1:], batch.input_ids[:1]))  # token p+1 at row p

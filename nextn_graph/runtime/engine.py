@@ -41,10 +41,11 @@ from .scheduler import Scheduler
 from .stats import SpecStats
 
 
-# pool.prefix_snapshots 0: two boundary states per request row. A state is the SWA
-# window and C4's raw block of every layer (V4-Flash: ~6 MB, 3x a page's entries), so
-# one per page would quadruple a long-context pool; more is a setting.
-DEFAULT_SNAPSHOTS_PER_ROW = 2
+# pool.prefix_snapshots 0: one boundary state per request row. A state is the SWA
+# window and C4's raw block of every layer (V4-Flash: ~6 MB, 3x a page's entries, half a
+# row's rings), so one per page would quadruple a long-context pool; more is a setting
+# (perf/paged_capacity.py --snapshots-per-row prices it).
+DEFAULT_SNAPSHOTS_PER_ROW = 1
 
 
 class SpecEngine:
@@ -132,7 +133,8 @@ class SpecEngine:
         self.scheduler = Scheduler(self.models.target_pool, self.stats,
                                    sched_cfg.prefill_token_budget,
                                    self.tp.rank if self.tp.parallel else None, self.lookahead,
-                                   self.prefix if self.tp.is_driver else None)
+                                   self.prefix if self.tp.is_driver else None, width,
+                                   grow=pool.allocation == "grow")
         hidden = (torch.zeros(layout.snapshots + 1, self.cfg.hc_dim, device=self.device,
                               dtype=dtype) if pool.prefix_cache else None)
         self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,

@@ -77,6 +77,14 @@ class PenaltyTables:
         self.counts[r] = 0
         self.counted[r] = torch.tensor(lengths, device=dev)  # P: the output starts there
 
+    def resume(self, row: int, output: list[int], length: int) -> None:
+        """A preempted request prefilled again (after ``admit``): its committed output but
+        the bonus, at positions P .. L - 1, counted; the bonus is staged as at a prefill."""
+        dev = self.counts.device
+        self.counts[row] = torch.bincount(torch.tensor(output, dtype=torch.int64, device=dev),
+                                          minlength=self.counts.shape[1]).float()
+        self.counted[row] = length
+
     def logits(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
                drafts: torch.Tensor) -> torch.Tensor:
         """logits [B, W, V] of rows [B] at committed lengths L [B] (row j predicts position

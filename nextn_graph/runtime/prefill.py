@@ -6,6 +6,7 @@ a chunk cut short may have overwritten ring slots that a rerun from a would read
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -57,30 +58,36 @@ class Prefiller:
         st.prefill_forwards += 1
         st.nextn_extend_forwards += int(self.num_steps > 0)
         st.prefill_chunks += len(plan)
-        st.prompt_tokens += sum(len(r.prompt) for r, end in plan if end == len(r.prompt))
-        st.cached_tokens += sum(r.cached for r, end in plan if end == len(r.prompt))
+        finals = [r for r, end in plan if end == len(r.fill)]
+        st.prompt_tokens += sum(len(r.prompt) for r in finals if not r.output)
+        st.cached_tokens += sum(r.cached for r in finals if not r.output)
+        st.recomputed_tokens += sum(len(r.fill) - r.cached for r in finals if r.output)
         self.sched.prefilled(plan, bonus, logprobs)
 
     def _prefill(self, plan: list[tuple[Request, int]]):
         """-> (the final chunks' bonus tokens, logprobs by rid; host)."""
-        chunks = [Chunk(r.row, r.prefilled, r.prompt[r.prefilled:end]) for r, end in plan]
-        nexts = [r.prompt[end] if end < len(r.prompt) else None for r, end in plan]
-        params = [r.sampling for r, end in plan if end == len(r.prompt)]
+        fills = [r.fill for r, _ in plan]
+        chunks = [Chunk(r.row, r.prefilled, f[r.prefilled:end]) for (r, end), f in zip(plan, fills)]
+        nexts = [f[end] if end < len(f) else None for (_, end), f in zip(plan, fills)]
+        finals = [r for (r, end), f in zip(plan, fills) if end == len(f)]
+        params = [r.sampling for r in finals]
+        # a preempted request resumes: its bonus is the one it had, its output counted
+        resumes = [Resume(len(r.prompt), r.output) if r.output else None for r in finals]
         reuse = self.sched.prefix
         prefix = NO_PREFIX if reuse is None else reuse.plan(plan)
         marks = None
-        if self.penalties is not None and prefix.seeds:  # a hit's cached tokens count too
-            marks = [Chunk(c.req_index, 0, r.prompt[:end]) if s else c
-                     for c, s, (r, end) in zip(chunks, prefix.seeds, plan)]
+        if self.penalties is not None and (prefix.seeds or any(r.output for r, _ in plan)):
+            marks = [prompt_marks(c, r, seeded) for c, seeded, (r, _) in
+                     zip(chunks, prefix.seeds or [0] * len(plan), plan)]
         if self.tp.parallel:  # the other ranks prefill the same chunks into the same pages
             pool = self.models.target_pool
             tables = [(r.row, pool.held[r.row]) for r, _ in plan if r.prefilled == r.cached]
-            self.tp.channel.send(Message("prefill", self.engine_id,
-                                         (chunks, nexts, params, tables, prefix, marks)))
+            self.tp.channel.send(Message("prefill", self.engine_id, (
+                chunks, nexts, params, tables, prefix, marks, resumes)))
         rows, k = logprob_rows(plan)
         bonus, lp = self.run_chunks(chunks, nexts, params,
                                     torch.tensor(sum(rows.values(), []), device=self.device)
-                                    if rows else None, k, prefix, marks)
+                                    if rows else None, k, prefix, marks, resumes)
         bonus = bonus.tolist() if params else []
         return bonus, self._logprobs(plan, rows, lp, bonus)
 
@@ -94,7 +101,7 @@ class Prefiller:
         finals = iter(bonus)
         out, at = {}, 0
         for req, end in plan:
-            final = end == len(req.prompt)
+            final = end == len(req.fill)
             tok = next(finals) if final else None
             if req.rid not in rows:
                 continue
@@ -113,22 +120,31 @@ class Prefiller:
     def run_chunks(self, chunks: list[Chunk], nexts: list[int | None],
                    params: list[SamplingParams], lp_rows: torch.Tensor | None = None,
                    lp_k: int = 0, prefix: PrefillPrefix = NO_PREFIX,
-                   marks: list[Chunk] | None = None):
+                   marks: list[Chunk] | None = None, resumes: list | None = None):
         """Every rank's part of a step's prefill -> (the final chunks' bonus [F], on the
         device; logprobs of ``lp_rows`` or None). ``params``: the final chunks'.
         ``prefix``: the prefix cache's part; ``marks``: the prompt tokens the penalties
-        count, where they are more than ``chunks`` (a hit's cached ones)."""
+        count, where they differ from ``chunks`` (a hit's cached ones, a resumed request's
+        prompt alone); ``resumes``: per final chunk, a preempted request's ``Resume``
+        (its bonus kept, its output counted) or None."""
         row_params = (RowParams.of(params, self.device) if any(not p.greedy for p in params)
                       else None)
         final = [c for c, n in zip(chunks, nexts) if n is None]
         rows = [c.req_index for c in final]
         ends = [c.start + len(c.tokens) for c in final]
-        lengths = torch.tensor(ends, device=self.device)  # [F] P
+        lengths = torch.tensor(ends, device=self.device)  # [F] P (L for a resumed request)
+        resumes = resumes or [None] * len(final)
+        forced = None
+        if any(resumes):  # [F] the bonus a resumed request had, -1: draw it
+            forced = torch.tensor([r.output[-1] if r else -1 for r in resumes], device=self.device)
         pen, process = self.penalties, None
         if pen is not None:  # the prompt's tokens, then the final rows' parameters
             pen.mark_prompt(marks or chunks)
             if final:
-                pen.admit(rows, params, ends)
+                pen.admit(rows, params, [r.prompt_len if r else n for r, n in zip(resumes, ends)])
+                for row, r, n in zip(rows, resumes, ends):
+                    if r:
+                        pen.resume(row, r.output[:-1], n)
                 at = torch.tensor(rows, device=self.device)
                 before = lengths - 1  # L = P - 1: row P
                 none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
@@ -140,7 +156,7 @@ class Prefiller:
         bonus, cand1, seed, q1, lp = eagle.prefill(
             self.models, chunks, nexts, self.device, with_draft=self.num_steps > 0,
             params=row_params, lp_rows=lp_rows, lp_k=lp_k, process=process,
-            prefix=prefix, boundary_hidden=self.boundary_hidden)
+            prefix=prefix, boundary_hidden=self.boundary_hidden, forced=forced)
         if not params:
             return bonus, lp
         slots = torch.tensor([self.state.map.slot(r) for r in rows], device=self.device)
@@ -161,8 +177,10 @@ def logprob_rows(plan: list[tuple[Request, int]]) -> tuple[dict[int, list[int]],
     logprobs, else a final chunk's last row; the largest k asked)."""
     rows, k, at = {}, 0, 0
     for req, end in plan:
-        n, final = end - req.prefilled, end == len(req.prompt)
-        if req.prompt_logprobs is not None:
+        n, final = end - req.prefilled, end == len(req.fill)
+        if req.output:  # resumed: its logprobs went out with its tokens
+            pass
+        elif req.prompt_logprobs is not None:
             rows[req.rid] = list(range(at, at + n))
         elif final and req.logprobs is not None:
             rows[req.rid] = [at + n - 1]
@@ -170,6 +188,27 @@ def logprob_rows(plan: list[tuple[Request, int]]) -> tuple[dict[int, list[int]],
             k = max(k, req.logprobs or 0, req.prompt_logprobs or 0)
         at += n
     return rows, k
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A preempted request's final prefill chunk: ``prompt_len`` P, ``output`` so far
+    (its last token is the bonus the prefill keeps)."""
+
+    prompt_len: int
+    output: list[int]
+
+
+def prompt_marks(chunk: Chunk, req: Request, seeded: int) -> Chunk:
+    """The prompt tokens the penalties count for ``chunk`` of ``req``: a resumed request's
+    prompt with its first chunk and nothing after; a hit's prompt up to the chunk's end
+    with its first (``seeded``); else the chunk's own."""
+    if req.output:
+        first = chunk.start == req.cached
+        return Chunk(chunk.req_index, 0 if first else chunk.start, req.prompt if first else [])
+    if seeded:
+        return Chunk(chunk.req_index, 0, req.prompt[:chunk.start + len(chunk.tokens)])
+    return chunk
 
 
 def _top(lp: TokenLogprob, k: int | None) -> TokenLogprob:

@@ -58,8 +58,9 @@ class PrefixReuse:
         """A row and pages for ``req``, its prompt's longest cached prefix shared; False
         (nothing changed) when the pool has no room even after eviction."""
         cache, pool = self.cache, self.pool
-        limit = len(req.prompt) - 1 if req.prompt_logprobs is None else 0  # they need every row
-        m = cache.match(req.prompt, limit, count=False)
+        fill = req.fill
+        limit = len(fill) - 1 if req.prompt_logprobs is None else 0  # they need every row
+        m = cache.match(fill, limit, count=False)
         cache.lock(m)  # before evicting: the eviction must not drop the match itself
         shared = len(m.pages)
         if not pool.fits(positions, shared) and pool.free_rows:
@@ -70,19 +71,21 @@ class PrefixReuse:
         req.row = pool.alloc(positions, shared=m.pages)
         req.match, req.cached = m, m.tokens
         req.prefilled = m.tokens
-        cache.stats.record(len(req.prompt), m.tokens)
+        if not req.output:  # (a preempted request's recompute is no prompt looked up)
+            cache.stats.record(len(req.prompt), m.tokens)
         return True
 
     def waits(self, req: Request, prefilling: Iterable[Request]) -> bool:
         """``req``'s next uncached page is being prefilled by another request, which will
         cache it: ``req`` does better to wait for it than to compute it again (as
         SGLang's in-batch prefix check deprioritises such requests)."""
-        limit = len(req.prompt) - 1 if req.prompt_logprobs is None else 0
-        end = self.cache.match(req.prompt, limit, count=False).tokens + self.page_size
+        fill = req.fill
+        limit = len(fill) - 1 if req.prompt_logprobs is None else 0
+        end = self.cache.match(fill, limit, count=False).tokens + self.page_size
         if end > limit:
             return False
-        head = req.prompt[:end]
-        return any(r.cached < end <= len(r.prompt) and r.prompt[:end] == head
+        head = fill[:end]
+        return any(r.cached < end <= len(r.fill) and r.fill[:end] == head
                    for r in prefilling)
 
     def plan(self, plan: list[tuple[Request, int]]) -> PrefillPrefix:
@@ -93,7 +96,7 @@ class PrefixReuse:
         restore, snapshot, seeds, keep = [], [], [], []
         at = 0
         for req, end in plan:
-            start = req.prefilled
+            start, fill_len = req.prefilled, len(req.fill)
             first_hit = start == req.cached > 0
             if first_hit:
                 restore.append((req.match.snap, req.row, req.cached))
@@ -101,7 +104,7 @@ class PrefixReuse:
             # boundaries M past the hit, within the prompt, whose kept positions
             # [M - carry, M) this chunk computes
             lo = max(req.cached + ps, (start // ps + 1) * ps)
-            for boundary in range(lo, min(len(req.prompt), end + self.carry) + 1, ps):
+            for boundary in range(lo, min(fill_len, end + self.carry) + 1, ps):
                 if boundary - self.carry < end and boundary not in req.snaps:
                     req.snaps[boundary] = self.cache.take_snapshot()
             for p in range(start, end):
@@ -114,12 +117,13 @@ class PrefixReuse:
                              tuple(seeds) if any(seeds) else (), tuple(keep))
 
     def prefilled(self, req: Request) -> None:
-        """``req``'s prompt is in the pools: its whole blocks go into the tree (each with
-        the snapshot of its end), and its match is unlocked."""
-        ps = self.page_size
-        blocks = len(req.prompt) // ps
+        """``req``'s prompt (its output too, recomputed after a preemption) is in the pools:
+        its whole blocks go into the tree (each with the snapshot of its end), and its
+        match is unlocked."""
+        ps, fill = self.page_size, req.fill
+        blocks = len(fill) // ps
         snaps = [req.snaps.pop((i + 1) * ps, 0) for i in range(blocks)]
-        self.cache.insert(req.prompt[:blocks * ps], self.pool.held[req.row][:blocks], snaps)
+        self.cache.insert(fill[:blocks * ps], self.pool.held[req.row][:blocks], snaps)
         self.drop(req)
 
     def drop(self, req: Request) -> None:

@@ -56,6 +56,12 @@ class Request:
         return not self.sampling.greedy
 
     @property
+    def fill(self) -> list[int]:
+        """The tokens a prefill puts in the pools: the prompt, and for a request preempted
+        while decoding (recomputed), its output but the bonus too."""
+        return self.prompt + self.output[:-1] if self.output else self.prompt
+
+    @property
     def committed(self) -> int:
         """Committed length L: all output but the bonus has target KV."""
         return len(self.prompt) + len(self.output) - 1

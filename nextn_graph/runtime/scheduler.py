@@ -26,7 +26,7 @@ def budget_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request,
     for req in prefilling:
         if left <= 0:
             break
-        take = min(len(req.prompt) - req.prefilled, left)
+        take = min(len(req.fill) - req.prefilled, left)
         plan.append((req, req.prefilled + take))
         left -= take
     return plan
@@ -38,9 +38,14 @@ class Scheduler:
 
     def __init__(self, pool: KVPool, stats: SpecStats, prefill_budget: int,
                  rank: int | None = None, lookahead: int = 0,
-                 prefix: PrefixReuse | None = None):
+                 prefix: PrefixReuse | None = None, width: int = 1, grow: bool = False):
         self.pool = pool  # the target pool's rows (the draft pool numbers rows the same)
         self.prefix = prefix  # the prefix cache's admission and inserts (None: off)
+        self.width = width  # N: the positions one round writes
+        # pages on demand (``pool.allocation: grow``): a request holds the pages of the
+        # next round's writes, more before each round, and the newest running request
+        # goes back to wait (recomputed later) when none are left
+        self.grow = grow
         self.lookahead = lookahead  # positions verify windows write past the last output
         self.stats = stats
         self.prefill_budget = prefill_budget  # scheduler.prefill_token_budget: 0 = unlimited
@@ -100,15 +105,23 @@ class Scheduler:
         return budget_chunks(list(self.prefilling.values()), self.prefill_budget)
 
     def positions(self, req: Request) -> int:
-        """The positions a request's writes can reach: its pages are reserved at admission,
-        so a running request never runs out."""
+        """The positions a request's writes can reach; reserved at admission unless pages
+        grow on demand (then ``reach`` is what it holds)."""
         return len(req.prompt) + req.max_new_tokens + self.lookahead
+
+    def reach(self, req: Request) -> int:
+        """The positions a request holds pages for: all it can reach, or with pages on
+        demand those of its next round's writes (a round in flight's too, ``lookahead``)."""
+        full = self.positions(req)
+        if not self.grow:
+            return full
+        return min(full, max(req.committed, len(req.fill)) + self.width + self.lookahead)
 
     def take_waiting(self) -> None:
         """Rows and pages for waiting requests, first come first served, while the pool has
         both for the head of the queue and the step has budget."""
         left = self.prefill_budget or sys.maxsize
-        left -= sum(len(r.prompt) - r.prefilled for r in self.prefilling.values())
+        left -= sum(len(r.fill) - r.prefilled for r in self.prefilling.values())
         deferred: list[Request] = []  # wait for a prefix another request is prefilling
         while left > 0 and self.waiting:
             req = self.waiting[0]
@@ -123,17 +136,56 @@ class Scheduler:
                 continue
             self.num_waiting -= 1
             self.prefilling[req.rid] = req
-            left -= len(req.prompt) - req.prefilled
+            left -= len(req.fill) - req.prefilled
         self.waiting.extendleft(reversed(deferred))
 
     def _admit(self, req: Request) -> bool:
         """A row and pages for ``req`` (a prefix hit's shared), or False: no room."""
         if self.prefix is not None:
-            return self.prefix.admit(req, self.positions(req))
-        if not self.pool.fits(self.positions(req)):
+            return self.prefix.admit(req, self.reach(req))
+        if not self.pool.fits(self.reach(req)):
             return False
-        req.row = self.pool.alloc(self.positions(req))
+        req.row = self.pool.alloc(self.reach(req))
         return True
+
+    def grow_pages(self, live: list[Request], preempt: bool) -> tuple[bool, list]:
+        """Pages for the next round's writes of every request of ``live`` (oldest first),
+        evicting cached prefixes, and with ``preempt`` sending the newest requests back
+        to wait when that is not enough -> (whether all of ``live`` that still run have
+        them; the (row, pages) tables that changed). Without ``preempt``, stops at the
+        first request that would need it."""
+        grown = []
+        for req in sorted(live, key=lambda r: r.rid):
+            if req.row == 0 or self.running.get(req.row) is not req:
+                continue  # preempted here already
+            more = self.pool.pages_needed(self.reach(req)) - len(self.pool.held[req.row])
+            while more > 0 and more > self.pool.free_pages:
+                if self.prefix is not None and self.prefix.cache.evict(
+                        more - self.pool.free_pages):
+                    continue
+                if not preempt:
+                    return False, grown
+                victim = max((r for r in live if self.running.get(r.row) is r),
+                             key=lambda r: r.rid)
+                self.preempt(victim)
+                if victim is req:
+                    break
+            if self.running.get(req.row) is req and more > 0:
+                self.pool.grow(req.row, more)
+                grown.append((req.row, self.pool.held[req.row]))
+        return True, grown
+
+    def preempt(self, req: Request) -> None:
+        """Back to the head of the queue with its output: its row and pages freed, it is
+        prefilled again (prompt and output, ``Request.fill``) and resumes where it was."""
+        log.info("preempting request %d at %d positions: KV pages ran out", req.rid,
+                 req.committed)
+        self.running.pop(req.row, None)
+        self._free(req)
+        req.row, req.prefilled, req.cached, req.copy = 0, 0, 0, 0
+        self.waiting.appendleft(req)
+        self.num_waiting += 1
+        self.stats.preemptions += 1
 
     def prefilled(self, plan: list[tuple[Request, int]], bonus: Sequence[int],
                   logprobs: dict[int, tuple] | None = None) -> None:
@@ -143,12 +195,15 @@ class Scheduler:
         for req, end in plan:
             req.prefilled = end
             req.prompt_lps.extend(logprobs.get(req.rid, ((), None))[0])
-        done = [req for req, end in plan if end == len(req.prompt)]
+        done = [req for req, end in plan if end == len(req.fill)]
         for req, tok in zip(done, bonus):
             del self.prefilling[req.rid]
             if self.prefix is not None:
                 self.prefix.prefilled(req)
             req.copy = 0
+            if req.output:  # resumed after a preemption: its bonus was emitted already
+                self.running[req.row] = req
+                continue
             self.running[req.row] = req
             lp = logprobs.get(req.rid, ((), None))[1]
             prompt_lps = None

@@ -22,6 +22,8 @@ class SpecStats(Counters):
     emitted_tokens: int = 0  # tokens returned to callers (after stop / length cuts)
     prompt_tokens: int = 0  # of the prompts whose prefill finished
     cached_tokens: int = 0  # of those, reused from the prefix cache (not prefilled)
+    preemptions: int = 0  # running requests sent back to wait when pages ran out
+    recomputed_tokens: int = 0  # positions preempted requests prefilled again
     prefill_chunks: int = 0  # request chunks prefilled (a prompt prefilled whole is one)
     faults: int = 0  # units of work (a prefill, a round chunk) that raised
     failed_requests: int = 0  # requests those faults failed

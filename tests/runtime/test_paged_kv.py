@@ -33,7 +33,7 @@ MODES = {"eager": None,
 def _engine(models, graph=None, num_pages=NUM_PAGES, kernels=None) -> SpecEngine:
     return SpecEngine(models.target, models.draft, SpeculativeConfig(num_steps=3),
                       PoolConfig(ROWS, 512, page_size=PAGE, num_pages=num_pages,
-                                 prefix_cache=False), graph,
+                                 prefix_cache=False, allocation="reserve"), graph,
                       kernels=kernels)
 
 

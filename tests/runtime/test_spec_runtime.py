@@ -181,8 +181,8 @@ def test_pool_rows_are_reused_and_nobody_starves(trained, monkeypatch):
     allocated: list[int] = []  # pool rows in the order they were handed out
     real_alloc = pool.alloc
 
-    def alloc(positions: int | None = None) -> int:
-        allocated.append(real_alloc(positions))
+    def alloc(positions: int | None = None, shared=()) -> int:
+        allocated.append(real_alloc(positions, shared))
         return allocated[-1]
 
     monkeypatch.setattr(pool, "alloc", alloc)

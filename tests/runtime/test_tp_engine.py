@@ -158,6 +158,28 @@ def test_tp2_prefix_cache_hits_equal_tp1():
     assert sum(c for _, _, c in want.values()) > 0
 
 
+def run_grow(group: TPGroup):
+    """Pages on demand with preemptions (rank 0) -> (tokens, preemptions)."""
+    from test_preemption import _engine, _run, LENGTHS
+    torch.set_num_threads(1)
+    models = load_checkpoint(TRAINED, tp=group)
+    if not group.is_driver:
+        return serve(models, group)
+    with torch.no_grad():
+        eng = _engine(models, GRAPHS)
+        out = _run(eng, corpus_prompts(8, LENGTHS)), eng.stats.preemptions
+    shutdown(group)
+    return out
+
+
+def test_tp2_pages_grow_and_preemptions_equal_tp1():
+    """Rank 0 grows the page tables before a round ("tables" message) and preempts:
+    tp = 2 gives tp = 1's tokens."""
+    got = spawn(run_grow, 2, (), timeout_s=120)[0]
+    want = run_grow(TPGroup.single())
+    assert got == want and want[1] > 0
+
+
 @pytest.mark.slow
 def test_tp4_tokens_equal_tp1():
     """tp = 4 on a tiny variant whose heads, groups, indexer heads and experts divide by 4:

@@ -432,7 +432,8 @@ def test_n_choices_sample_distinct_reproducible_streams(server):
     assert one["choices"][0]["token_ids"] == ids[1]
     assert first["usage"] == {"prompt_tokens": len(PROMPT),
                               "completion_tokens": sum(map(len, ids)),
-                              "total_tokens": len(PROMPT) + sum(map(len, ids))}
+                              "total_tokens": len(PROMPT) + sum(map(len, ids)),
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     two = [PROMPT, PROMPT[:4]]
     greedy = _post(server, "/v1/completions", {"prompt": two, "max_tokens": 8, "n": 2,
                                                "temperature": 0, "return_token_ids": True})

@@ -32,7 +32,7 @@ def test_bench_serve_small_load(tmp_path):
     assert 1 <= spec["acceptance_length"] <= 4 and len(spec["acceptance_per_position"]) == 3
     assert rows[1]["acceptance_length"] is None  # plain decoding drafts nothing
     assert json.loads((tmp_path / "serve_bench.json").read_text())["rows"] == rows
-    assert "| c=2 | spec | thread | off | 6/6 |" in (tmp_path / "serve_bench.md").read_text()
+    assert "| c=2 | spec | thread | on | 6/6 |" in (tmp_path / "serve_bench.md").read_text()
     assert (tmp_path / "serve_bench.png").stat().st_size > 0
     assert report["split_over_thread"] == {}  # one host: nothing to compare
 

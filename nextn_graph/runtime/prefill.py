@@ -58,10 +58,10 @@ class Prefiller:
         st.prefill_forwards += 1
         st.nextn_extend_forwards += int(self.num_steps > 0)
         st.prefill_chunks += len(plan)
-        finals = [r for r, end in plan if end == len(r.fill)]
+        finals = [r for r, end in plan if end == r.fill_len]
         st.prompt_tokens += sum(len(r.prompt) for r in finals if not r.output)
         st.cached_tokens += sum(r.cached for r in finals if not r.output)
-        st.recomputed_tokens += sum(len(r.fill) - r.cached for r in finals if r.output)
+        st.recomputed_tokens += sum(r.fill_len - r.cached for r in finals if r.output)
         self.sched.prefilled(plan, bonus, logprobs)
 
     def _prefill(self, plan: list[tuple[Request, int]]):
@@ -101,7 +101,7 @@ class Prefiller:
         finals = iter(bonus)
         out, at = {}, 0
         for req, end in plan:
-            final = end == len(req.fill)
+            final = end == req.fill_len
             tok = next(finals) if final else None
             if req.rid not in rows:
                 continue
@@ -177,7 +177,7 @@ def logprob_rows(plan: list[tuple[Request, int]]) -> tuple[dict[int, list[int]],
     logprobs, else a final chunk's last row; the largest k asked)."""
     rows, k, at = {}, 0, 0
     for req, end in plan:
-        n, final = end - req.prefilled, end == len(req.fill)
+        n, final = end - req.prefilled, end == req.fill_len
         if req.output:  # resumed: its logprobs went out with its tokens
             pass
         elif req.prompt_logprobs is not None:

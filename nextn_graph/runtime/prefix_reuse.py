@@ -85,7 +85,7 @@ class PrefixReuse:
         if end > limit:
             return False
         head = fill[:end]
-        return any(r.cached < end <= len(r.fill) and r.fill[:end] == head
+        return any(r.cached < end <= r.fill_len and r.fill[:end] == head
                    for r in prefilling)
 
     def plan(self, plan: list[tuple[Request, int]]) -> PrefillPrefix:
@@ -96,7 +96,7 @@ class PrefixReuse:
         restore, snapshot, seeds, keep = [], [], [], []
         at = 0
         for req, end in plan:
-            start, fill_len = req.prefilled, len(req.fill)
+            start, fill_len = req.prefilled, req.fill_len
             first_hit = start == req.cached > 0
             if first_hit:
                 restore.append((req.match.snap, req.row, req.cached))

@@ -62,6 +62,11 @@ class Request:
         return self.prompt + self.output[:-1] if self.output else self.prompt
 
     @property
+    def fill_len(self) -> int:
+        """``len(self.fill)``, without building it."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
     def committed(self) -> int:
         """Committed length L: all output but the bonus has target KV."""
         return len(self.prompt) + len(self.output) - 1

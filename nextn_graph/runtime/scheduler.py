@@ -26,7 +26,7 @@ def budget_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request,
     for req in prefilling:
         if left <= 0:
             break
-        take = min(len(req.fill) - req.prefilled, left)
+        take = min(req.fill_len - req.prefilled, left)
         plan.append((req, req.prefilled + take))
         left -= take
     return plan
@@ -115,13 +115,13 @@ class Scheduler:
         full = self.positions(req)
         if not self.grow:
             return full
-        return min(full, max(req.committed, len(req.fill)) + self.width + self.lookahead)
+        return min(full, max(req.committed, req.fill_len) + self.width + self.lookahead)
 
     def take_waiting(self) -> None:
         """Rows and pages for waiting requests, first come first served, while the pool has
         both for the head of the queue and the step has budget."""
         left = self.prefill_budget or sys.maxsize
-        left -= sum(len(r.fill) - r.prefilled for r in self.prefilling.values())
+        left -= sum(r.fill_len - r.prefilled for r in self.prefilling.values())
         deferred: list[Request] = []  # wait for a prefix another request is prefilling
         while left > 0 and self.waiting:
             req = self.waiting[0]
@@ -136,7 +136,7 @@ class Scheduler:
                 continue
             self.num_waiting -= 1
             self.prefilling[req.rid] = req
-            left -= len(req.fill) - req.prefilled
+            left -= req.fill_len - req.prefilled
         self.waiting.extendleft(reversed(deferred))
 
     def _admit(self, req: Request) -> bool:
@@ -195,7 +195,7 @@ class Scheduler:
         for req, end in plan:
             req.prefilled = end
             req.prompt_lps.extend(logprobs.get(req.rid, ((), None))[0])
-        done = [req for req, end in plan if end == len(req.fill)]
+        done = [req for req, end in plan if end == req.fill_len]
         for req, tok in zip(done, bonus):
             del self.prefilling[req.rid]
             if self.prefix is not None:

@@ -15,7 +15,8 @@ from ..runtime.request import StepOutput
 # engine.stats fields exported as counters (the rest are derived or describe the run)
 ENGINE_STATS = ("rounds", "request_rounds", "prefill_forwards", "verify_forwards",
                 "proposed_drafts", "accepted_drafts", "emitted_tokens", "prompt_tokens",
-                "cached_tokens", "faults", "failed_requests")
+                "cached_tokens", "preemptions", "recomputed_tokens", "faults",
+                "failed_requests")
 RUNNER_COUNTERS = ("graph_replays", "eager_fallbacks", "padded_rows", "bucket_splits",
                    "overlapped_rounds", "sampled_chunks")
 

@@ -91,3 +91,43 @@ def test_plain_decoding_resumes(trained):
     assert eng.stats.preemptions > 0
     for i, (p, n) in enumerate(zip(prompts, MAX_NEW)):
         assert got[i] == reference(trained.target, p, n), f"request {i}"
+
+
+@pytest.mark.parametrize("mode", ["split", "fused", "overlap"])
+def test_random_arrivals_aborts_hits_and_preemptions(trained, mode):
+    """Shared-prefix prompts arriving at random steps on a tight pool (4 pages, 4 rows,
+    the prefix cache on, a prefill budget of 96), two of them aborted mid-way: every
+    request that was not aborted gets the oracle's tokens, the audit holds after every
+    step, and the run saw hits and preemptions."""
+    import random
+    from nextn_graph.config import SchedulerConfig
+    rng = random.Random(4)
+    heads = corpus_prompts(9, [140, 130])
+    tails = corpus_prompts(10, [30, 45, 12, 60, 25, 8, 50, 40])
+    jobs = [(rng.randrange(0, 12), heads[i % 2][:rng.choice((128, 135))] + tails[i],
+             rng.choice((40, 90, 130))) for i in range(8)]
+    eng = SpecEngine(trained.target, trained.draft, SpeculativeConfig(num_steps=3),
+                     PoolConfig(ROWS, 512, page_size=PAGE, num_pages=PAGES - 1),
+                     MODES[mode], scheduler=SchedulerConfig(96))
+    rids, out, aborted, step = {}, {}, set(), 0
+    while step < 12 or eng.has_work:
+        for i, (at, prompt, n) in enumerate(jobs):
+            if at == step:
+                rids[eng.add_request(prompt, n, stop_ids=[])] = i
+        if step == 9:  # abort the two requests added first that still run
+            for rid in [r for r in rids if r not in out or len(out[r]) < jobs[rids[r]][2]][:2]:
+                if eng.abort(rid):
+                    aborted.add(rid)
+        for o in eng.step():
+            assert o.error is None, o.error
+            out.setdefault(o.rid, []).extend(o.new_tokens)
+        eng.prefix.audit(list(eng.scheduler.live.values()))
+        step += 1
+        assert step < 500
+    pool = eng.models.target_pool
+    assert not pool.held and eng.prefix.cache.locked == 0
+    assert pool.free_pages + eng.prefix.cache.cached_pages == PAGES - 1
+    for rid, i in rids.items():
+        if rid not in aborted:
+            assert out[rid] == reference(trained.target, jobs[i][1], jobs[i][2]), i
+    assert eng.stats.cached_tokens > 0 and eng.stats.preemptions > 0 and aborted

@@ -20,7 +20,8 @@ import torch
 from ..errors import CapacityError
 from ..labels import KV_CACHE
 from .batch import ForwardBatch, ForwardPlan
-from .pool import CompressedCache, Ring
+from .pool import CompressedCache
+from .rings import Ring
 
 profile_label = KV_CACHE  # the work profile's label of this file's code (labels.py)
 

@@ -23,7 +23,8 @@ from torch import nn
 from ..labels import ATTENTION
 from ..memory.batch import ForwardPlan
 from ..memory.lists import entry_list, sequence_plan, window_list
-from ..memory.pool import LayerCache, Ring
+from ..memory.pool import LayerCache
+from ..memory.rings import Ring
 from ..parallel.group import TPGroup
 from .compressor import Compressor, Indexer
 from .config import ModelConfig

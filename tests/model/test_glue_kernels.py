@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nextn_graph.memory.batch import Chunk, ForwardBatch, ForwardPlan
-from nextn_graph.memory.pool import Ring
+from nextn_graph.memory.rings import Ring
 from nextn_graph.model.compressor import stable_topk, stable_topk_terms
 from nextn_graph.kernels.mhc import hc_head, hc_post, hc_pre, sinkhorn
 from nextn_graph.kernels.norm import apply_rope, rms_norm

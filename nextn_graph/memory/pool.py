@@ -35,7 +35,7 @@ from ..kernels.indexer import key_rows
 from ..labels import KV_CACHE, PAGE_TABLE, labelled
 from .batch import ForwardPlan
 from .pages import PagePool, check_counts, pages_for
-from .rings import Ring, RingIndex  # noqa: F401  (RingIndex: part of this module's API)
+from .rings import Ring
 from .shapes import (CacheDims, CompressedShape, LayerShape, PoolLayout, device_memory_bytes,
                      pool_nbytes)
 
@@ -161,9 +161,8 @@ class KVPool:
             return CompressedCache(ring(shape.raw_ring, shape.raw_width, shape.carry), entries,
                                    shape.per_request, shape.per_page, self.table)
 
-        window = cfg.sliding_window  # the positions before a boundary that SWA reads
-        self.layers = [LayerCache(ring(s.swa_ring, s.head_dim, window), compressed(s.compressed),
-                                  compressed(s.index)) for s in shapes]
+        self.layers = [LayerCache(ring(s.swa_ring, s.head_dim, s.swa_carry),
+                                  compressed(s.compressed), compressed(s.index)) for s in shapes]
         self._free = list(range(layout.max_requests, 0, -1))  # row 0 is never handed out
         self.held: dict[int, list[int]] = {}  # request row -> its pages, in position order
 

@@ -87,14 +87,14 @@ class PrefixCache:
 
     def take_snapshot(self) -> int:
         """A free snapshot, evicting the least recently used unlocked leaf if none is
-        free -> the row, or 0 when every row is held (by locked paths or pending
+        free -> its id, or 0 when every snapshot is held (by locked paths or pending
         inserts)."""
         if not self._free_snaps:
             self.evict(0, snapshots=1)
         return self._free_snaps.pop() if self._free_snaps else 0
 
     def give_back(self, snaps: Sequence[int]) -> None:
-        """Snapshot rows taken but not inserted (a failed or duplicate prefill)."""
+        """Snapshots taken but not inserted (a failed or duplicate prefill)."""
         for s in snaps:
             if s not in self.snapshots or s in self._free_snaps:
                 raise CapacityError(f"prefix cache: snapshot {s} was not taken")
@@ -214,7 +214,7 @@ class PrefixCache:
         return {"prefix cache": [n.page for n in self._nodes_list()]}
 
     def audit(self, taken: Sequence[int] = ()) -> None:
-        """Snapshot rows: the free ones, the nodes' and ``taken`` (held by prefills not
+        """Snapshots: the free ones, the nodes' and ``taken`` (held by prefills not
         yet inserted) split ``snapshots`` exactly (tests and debugging)."""
         held = [n.snap for n in self._nodes_list() if n.snap] + list(taken)
         every = sorted(held + self._free_snaps)

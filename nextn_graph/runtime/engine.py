@@ -5,7 +5,6 @@ an interrupt commits nothing of the round and propagates.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Iterable, Sequence
 
@@ -89,11 +88,10 @@ class SpecEngine:
         check_pool(pool, width, where)
         graph = resolve_graph(check_section(graph or GraphConfig(backend="eager"), where,
                                             "graph."), pool, where)
+        snapshots = 0 if not pool.prefix_cache else (  # the page-boundary states kept
+            pool.prefix_snapshots or DEFAULT_SNAPSHOTS_PER_ROW * pool.max_requests)
         layout = PoolLayout(pool.max_requests, pool.max_context, width, pool.page_size,
-                            pool.num_pages)
-        if pool.prefix_cache:  # the page-boundary states the cache keeps
-            layout = dataclasses.replace(layout, snapshots=pool.prefix_snapshots or
-                                         DEFAULT_SNAPSHOTS_PER_ROW * pool.max_requests)
+                            pool.num_pages, snapshots)
         self.max_context = pool.max_context
         # positions a verify window writes past a request's last output: S - 1, and N
         # more with overlap (the round launched before the request's end was read)

@@ -47,7 +47,7 @@ class Request:
     # the prompt's logprobs of the chunks prefilled so far (tokens 1..prefilled - 1)
     prompt_lps: list[TokenLogprob] = field(default_factory=list)
     cached: int = 0  # prompt positions a prefix-cache hit reused (whole pages)
-    match: PrefixMatch | None = None  # the hit's ``PrefixMatch``, locked while the prompt is prefilled
+    match: PrefixMatch | None = None  # a prefix hit, locked while the prompt is prefilled
     snaps: dict[int, int] = field(default_factory=dict)  # page boundary -> snapshot
 
     @property

@@ -141,11 +141,12 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """A row and pages for ``req`` (a prefix hit's shared), or False: no room."""
+        reach = self.reach(req)
         if self.prefix is not None:
-            return self.prefix.admit(req, self.reach(req))
-        if not self.pool.fits(self.reach(req)):
+            return self.prefix.admit(req, reach)
+        if not self.pool.fits(reach):
             return False
-        req.row = self.pool.alloc(self.reach(req))
+        req.row = self.pool.alloc(reach)
         return True
 
     def grow_pages(self, live: list[Request], preempt: bool) -> tuple[bool, list]:
@@ -201,10 +202,9 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.prefilled(req)
             req.copy = 0
-            if req.output:  # resumed after a preemption: its bonus was emitted already
-                self.running[req.row] = req
-                continue
             self.running[req.row] = req
+            if req.output:  # resumed after a preemption: its bonus was emitted already
+                continue
             lp = logprobs.get(req.rid, ((), None))[1]
             prompt_lps = None
             if req.prompt_logprobs is not None:

@@ -100,12 +100,13 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
         for load in loads:
             runs: dict[tuple, list[dict]] = {key: [] for key in keys}
             for _ in range(repeats):
-                mine = jobs if not (shared_prefix and vocab and run) else make_jobs(
+                level_jobs = jobs if not (shared_prefix and vocab and run) else make_jobs(
                     vocab, len(jobs), seed + run, shared_prefix, prefix_group)
-                ideal = prefix_summary(mine, shared_prefix, prefix_group, cfg.pool.page_size)
+                ideal = prefix_summary(level_jobs, shared_prefix, prefix_group,
+                                       cfg.pool.page_size)
                 run += 1
                 for key, (srv, _) in servers.items():
-                    summary, samples = client.submit(run_load, srv.url, load, mine,
+                    summary, samples = client.submit(run_load, srv.url, load, level_jobs,
                                                      seed).result()
                     runs[key].append({**summary, "ideal_paged_hit_rate":
                                       ideal.get("ideal_paged_hit_rate", 0.0)})

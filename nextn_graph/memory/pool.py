@@ -213,8 +213,14 @@ class KVPool:
                 self.pages.release(shared)
                 raise
         row = self._free.pop()
+        try:  # a device fault hands the row and pages back: all or nothing
+            self.write_table(row, pages)
+        except BaseException:
+            self._free.append(row)
+            if pages:
+                self.pages.release(pages)
+            raise
         self.held[row] = pages
-        self.write_table(row, pages)
         return row
 
     def grow(self, row: int, n: int) -> None:
@@ -224,9 +230,15 @@ class KVPool:
         if len(self.held[row]) + n > self.layout.pages_per_request:
             raise CapacityError(f"{len(self.held[row]) + n} pages exceed a request's "
                                 f"{self.layout.pages_per_request}")
-        pages = self.held[row] + self.pages.alloc(n)
-        self.write_table(row, pages)
-        self.held[row] = pages
+        more = self.pages.alloc(n)
+        # All or nothing under a device fault too. The table row past the held pages is
+        # then stale: the caller fails the request, and its release frees the row.
+        try:
+            self.write_table(row, self.held[row] + more)
+        except BaseException:
+            self.pages.release(more)
+            raise
+        self.held[row] += more
 
     def write_table(self, row: int, pages: list[int]) -> None:
         """Row ``row`` of the device page table: ``pages``, then the sink (a follower rank

@@ -213,14 +213,26 @@ class PrefixCache:
         """The tree's page references, for ``PagePool.audit``."""
         return {"prefix cache": [n.page for n in self._nodes_list()]}
 
-    def audit(self, taken: Sequence[int] = ()) -> None:
+    def audit(self, taken: Sequence[int] = (), matches: Sequence[PrefixMatch] = ()) -> None:
         """Snapshots: the free ones, the nodes' and ``taken`` (held by prefills not
-        yet inserted) split ``snapshots`` exactly (tests and debugging)."""
-        held = [n.snap for n in self._nodes_list() if n.snap] + list(taken)
+        yet inserted) split ``snapshots`` exactly; locks: each node's count is the
+        ``matches`` (of the requests reading the tree) through it (tests and debugging)."""
+        nodes = self._nodes_list()
+        held = [n.snap for n in nodes if n.snap] + list(taken)
         every = sorted(held + self._free_snaps)
         if every != sorted(self.snapshots):
             raise AssertionError(f"prefix cache snapshots disagree: {len(self._free_snaps)} "
                                  f"free, {len(held)} held, of {len(self.snapshots)}")
+        want: dict[int, int] = {}
+        for m in matches:
+            node = m.node
+            while node is not self._root:
+                want[id(node)] = want.get(id(node), 0) + 1
+                node = node.parent
+        wrong = [n for n in nodes if n.locks != want.get(id(n), 0)]
+        if wrong or len(want) > sum(1 for n in nodes if n.locks):
+            raise AssertionError(f"prefix cache locks disagree on {len(wrong)} nodes: "
+                                 f"{len(matches)} requests read the tree")
 
     @property
     def locked(self) -> int:

@@ -76,6 +76,9 @@ class RoundDriver:
             live = [r for r in self.sched.running.values() if not r.finished]
             _, more = self.sched.grow_pages(live, preempt=True)
             grown += more
+        if self.sched.broken:  # a fault growing a page table failed the group
+            self.inflight.clear()
+            return []
         if grown and self.tp.parallel:  # the followers' page tables, before the round
             try:
                 self.tp.channel.send(Message("tables", self.engine_id, grown))

@@ -68,7 +68,11 @@ class PrefixReuse:
         if not pool.fits(positions, shared):
             cache.unlock(m)
             return False
-        req.row = pool.alloc(positions, shared=m.pages)
+        try:
+            req.row = pool.alloc(positions, shared=m.pages)
+        except BaseException:  # a device fault writing the page table
+            cache.unlock(m)
+            raise
         req.match, req.cached = m, m.tokens
         req.prefilled = m.tokens
         if not req.output:  # (a preempted request's recompute is no prompt looked up)
@@ -137,9 +141,11 @@ class PrefixReuse:
 
     def audit(self, requests: list[Request]) -> None:
         """Pages: request rows and the tree hold every page exactly; snapshots: free,
-        the tree's and ``requests``' split them exactly (tests and debugging)."""
+        the tree's and ``requests``' split them exactly; locks: ``requests``' matches
+        alone hold them (tests and debugging)."""
         self.pool.audit(self.cache.holdings())
-        self.cache.audit([s for r in requests for s in r.snaps.values() if s])
+        self.cache.audit([s for r in requests for s in r.snaps.values() if s],
+                         [r.match for r in requests if r.match is not None])
 
 
 def prefix_reuse(models: SpecModels, where: str) -> PrefixReuse:

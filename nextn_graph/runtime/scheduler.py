@@ -129,7 +129,16 @@ class Scheduler:
                     self.prefix.waits(req, self.prefilling.values()):
                 deferred.append(self.waiting.popleft())
                 continue
-            if not req.finished and not self._admit(req):
+            try:
+                admitted = req.finished or self._admit(req)
+            except Exception as exc:
+                # a device fault writing its page table fails this request alone: the
+                # pool's alloc is all or nothing, so it holds nothing
+                self.waiting.popleft()
+                self.num_waiting -= 1
+                self.fail_unit([req], [req], exc, "admission")
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             if req.finished:  # aborted while waiting
@@ -172,7 +181,13 @@ class Scheduler:
                 if victim is req:
                     break
             if self.running.get(req.row) is req and more > 0:
-                self.pool.grow(req.row, more)
+                try:
+                    self.pool.grow(req.row, more)
+                except Exception as exc:  # a device fault writing its page table
+                    self.fail_unit([req], live, exc, "page growth")
+                    if self.broken:
+                        return True, grown
+                    continue
                 grown.append((req.row, self.pool.held[req.row]))
         return True, grown
 
@@ -246,6 +261,18 @@ class Scheduler:
                                       logprobs=logprobs and logprobs[:len(kept)],
                                       prompt_logprobs=prompt_logprobs,
                                       cached_tokens=cached_tokens))
+
+    def audit(self) -> None:
+        """Every held pool row is a live request's, every page, snapshot and prefix lock
+        is held by a live request or the prefix cache, exactly (tests and debugging)."""
+        rows = sorted(r.row for r in self.live.values() if r.row)
+        if rows != sorted(self.pool.held):
+            raise AssertionError(f"KV pool rows {sorted(self.pool.held)} are held, live "
+                                 f"requests hold {rows}")
+        if self.prefix is not None:
+            self.prefix.audit(list(self.live.values()))
+        else:
+            self.pool.audit()
 
     def fail(self, reqs: list[Request], exc: Exception, where: str) -> None:
         reason = f"{where}: {type(exc).__name__}: {str(exc)[:500]}"

@@ -22,13 +22,11 @@ import torch
 
 from ..checkpoint.loader import LoadedModel
 from ..errors import ParallelError
-from ..memory.batch import Chunk
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
-from ..runtime.prefix_reuse import PrefillPrefix
+from ..runtime.prefill_work import PrefillWork
 from ..runtime.generate import plain_generate, reference_generate
-from ..sampling import SamplingParams
 from .ranks import load_on_ranks
 
 log = logging.getLogger(__name__)
@@ -83,17 +81,13 @@ def load_and_follow(group: TPGroup, cfg) -> int:
 
 
 @torch.no_grad()
-def follow_prefill(engine: SpecEngine, chunks: list[Chunk], nexts: list[int | None],
-                   params: list[SamplingParams], tables: list[tuple[int, list[int]]],
-                   prefix: PrefillPrefix, marks: list[Chunk] | None,
-                   resumes: list) -> None:
+def follow_prefill(engine: SpecEngine, work: PrefillWork) -> None:
     """Rank 0's prefill of a step's chunks, without reading the bonus tokens back; the
-    requests it admitted get the page-table rows it allocated (``tables``: (row, pages)),
-    and the prefix cache's copies and snapshots are rank 0's (``prefix``)."""
-    for row, pages in tables:
-        engine.models.target_pool.write_table(row, pages)
-    engine.prefill.run_chunks(chunks, nexts, params, prefix=prefix, marks=marks,
-                              resumes=resumes)
+    requests it admitted get the page-table rows it allocated (``work.tables``), and the
+    prefix cache's copies and snapshots are rank 0's (``work.prefix``)."""
+    for row, pages in work.tables:
+        engine.models.target_pool.write_table(row, list(pages))
+    engine.prefill.run(work)
 
 
 @torch.no_grad()
@@ -129,7 +123,7 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
                                     f"{engine.engine_id}, rank 0 engine {msg.engine}")
             engines[msg.engine] = engine
         elif msg.kind == "prefill":
-            follow_prefill(engines[msg.engine], *msg.payload)
+            follow_prefill(engines[msg.engine], msg.payload)
         elif msg.kind == "tables":  # pages grown before a round: rank 0's (row, pages)
             for row, pages in msg.payload:
                 engines[msg.engine].models.target_pool.write_table(row, pages)

@@ -23,7 +23,7 @@ from ..memory.pool import PoolLayout
 from ..model import ModelConfig
 from ..model.ops import use_kernels
 from ..runtime.buffers import RequestState, RoundBuffers
-from ..runtime.eagle import SpecModels
+from ..runtime.models import SpecModels
 from ..graph.kinds import GraphKey
 from ..runtime.round import DecodeRound
 from .counter import WorkCounter

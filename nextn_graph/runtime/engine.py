@@ -29,7 +29,7 @@ from .buffers import RequestState, RoundBuffers, SamplingTables
 from .chunks import ChunkRunner
 from .driver import RoundDriver
 from .penalty_tables import PenaltyTables
-from .eagle import SpecModels
+from .models import SpecModels
 from .prefill import Prefiller
 from .prefix_reuse import prefix_reuse
 from .round import DecodeRound

@@ -1,5 +1,5 @@
-"""The engine's use of the prefix cache (``memory/prefix.py``): admission reuses the
-longest cached prefix of a prompt, a prefill keeps the state at the page boundaries it
+"""The engine's use of the prefix cache (``memory/prefix.py``): admission (the
+``Scheduler``'s) shares the pages of a prompt's longest cached prefix, a prefill keeps the state at the page boundaries it
 computes, and a finished prefill caches its prompt's blocks.
 
 A hit at ``M`` positions (whole pages, at most ``len(prompt) - 1``) reuses:
@@ -18,33 +18,14 @@ does on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from ..errors import ConfigError
 from ..memory.pool import KVPool
-from ..memory.prefix import PrefixCache
+from ..memory.prefix import PrefixCache, PrefixMatch
+from .models import SpecModels
+from .prefill_work import PrefillPrefix
 from .request import Request
-
-if TYPE_CHECKING:  # eagle reads PrefillPrefix from here
-    from .eagle import SpecModels
-
-
-@dataclass(frozen=True)
-class PrefillPrefix:
-    """A prefill step's prefix-cache work on the device, the same on every rank."""
-
-    # (snapshot, request row, boundary): the ring state before the boundary, copied first
-    restore: tuple[tuple[int, int, int], ...] = ()
-    # per forward row: the snapshot of the row's next page boundary (0: none); ()
-    # when no row keeps anything (the forward then skips the snapshot writes)
-    snapshot: tuple[int, ...] = ()
-    # per chunk: the snapshot whose kept hidden seeds a draft row at start - 1 (0: none)
-    seeds: tuple[int, ...] = ()
-    keep: tuple[tuple[int, int], ...] = ()  # (forward row, snapshot): the hidden at M - 1
-
-
-NO_PREFIX = PrefillPrefix()
 
 
 class PrefixReuse:
@@ -54,30 +35,22 @@ class PrefixReuse:
         self.cache, self.pool, self.carry = cache, pool, carry
         self.page_size = pool.layout.page_size
 
-    def admit(self, req: Request, positions: int) -> bool:
-        """A row and pages for ``req``, its prompt's longest cached prefix shared; False
-        (nothing changed) when the pool has no room even after eviction."""
-        cache, pool = self.cache, self.pool
+    def lookup(self, req: Request) -> PrefixMatch:
+        """The longest cached prefix of ``req``'s fill, locked (the scheduler's eviction
+        for the rest of its pages must not drop it): ``attach`` it to the request that
+        got its row, or ``unlock`` it."""
         fill = req.fill
         limit = len(fill) - 1 if req.prompt_logprobs is None else 0  # they need every row
-        m = cache.match(fill, limit, count=False)
-        cache.lock(m)  # before evicting: the eviction must not drop the match itself
-        shared = len(m.pages)
-        if not pool.fits(positions, shared) and pool.free_rows:
-            cache.evict(pool.pages_needed(positions) - shared - pool.free_pages)
-        if not pool.fits(positions, shared):
-            cache.unlock(m)
-            return False
-        try:
-            req.row = pool.alloc(positions, shared=m.pages)
-        except BaseException:  # a device fault writing the page table
-            cache.unlock(m)
-            raise
+        m = self.cache.match(fill, limit, count=False)
+        self.cache.lock(m)
+        return m
+
+    def attach(self, req: Request, m: PrefixMatch) -> None:
+        """``req`` was given a row over ``m``'s pages: it prefills from the match's end."""
         req.match, req.cached = m, m.tokens
         req.prefilled = m.tokens
         if not req.output:  # (a preempted request's recompute is no prompt looked up)
-            cache.stats.record(len(req.prompt), m.tokens)
-        return True
+            self.cache.stats.record(len(req.prompt), m.tokens)
 
     def waits(self, req: Request, prefilling: Iterable[Request]) -> bool:
         """``req``'s next uncached page is being prefilled by another request, which will

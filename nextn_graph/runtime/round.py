@@ -11,7 +11,7 @@ import torch
 from ..graph.kinds import SPLIT_PHASES, GraphKey, Phase
 from . import eagle
 from .buffers import RequestState, RoundBuffers, SamplingTables
-from .eagle import SpecModels
+from .models import SpecModels
 from .penalty_tables import PenaltyTables
 from ..sampling import RowParams, one_hot, speculative_accept
 from ..labels import BOOKKEEPING

@@ -149,13 +149,27 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
 
     def _admit(self, req: Request) -> bool:
-        """A row and pages for ``req`` (a prefix hit's shared), or False: no room."""
-        reach = self.reach(req)
-        if self.prefix is not None:
-            return self.prefix.admit(req, reach)
-        if not self.pool.fits(reach):
-            return False
-        req.row = self.pool.alloc(reach)
+        """A row and pages for ``req``, all or nothing -> False: no room. With the prefix
+        cache, its longest cached prefix's pages are shared, and cached prefixes are
+        evicted (not the match) when pages are short."""
+        reach, prefix = self.reach(req), self.prefix
+        m = prefix.lookup(req) if prefix is not None else None
+        shared = m.pages if m is not None else ()
+        try:
+            if not self.pool.fits(reach, len(shared)) and m is not None and self.pool.free_rows:
+                prefix.cache.evict(self.pool.pages_needed(reach) - len(shared)
+                                   - self.pool.free_pages)
+            if not self.pool.fits(reach, len(shared)):
+                if m is not None:
+                    prefix.cache.unlock(m)
+                return False
+            req.row = self.pool.alloc(reach, shared=shared)
+        except BaseException:  # a device fault writing the page table: nothing was taken
+            if m is not None:
+                prefix.cache.unlock(m)
+            raise
+        if m is not None:
+            prefix.attach(req, m)
         return True
 
     def grow_pages(self, live: list[Request], preempt: bool) -> tuple[bool, list]:

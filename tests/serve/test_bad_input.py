@@ -2,8 +2,9 @@
 500 and never names a server path. Field names that are lone surrogates, integers past
 int64, text prompts that cannot be encoded, metadata fields of the wrong type, a wrong
 method, a body that never arrives: each is a 4xx in OpenAI's shape naming its field (or
-a clamp, top_k's). Then the published /openapi.json, and a fuzz driven by it. One server
-(its engine on a thread of this process, a short body timeout) serves the module."""
+a clamp, top_k's). Then the published /openapi.json, and what it drives
+(``schema_fuzz``): every field at its edges, and a Hypothesis fuzz. One server (its
+engine on a thread of this process, a short body timeout) serves the module."""
 
 from __future__ import annotations
 
@@ -21,19 +22,20 @@ from hypothesis import strategies as st
 
 import nextn_graph
 from nextn_graph.config import load_run_config
+from nextn_graph.errors import InputError
 from nextn_graph.serve.fields import CHAT, COMPLETIONS
 from nextn_graph.serve.limits import ServeSettings
 from nextn_graph.serve.protocol import parse_request
 from nextn_graph.serve.thread import ServerThread
 from nextn_graph.serve.tokens import DETOKENIZE, TOKENIZE
 
-from schema_fuzz import from_schema, mutated
+from schema_fuzz import edge_cases, from_schema, mutated
 from serve_support import chat_checkpoint, metric, scrape
 
 ROWS, MAX_CONTEXT, BODY_TIMEOUT_S = 2, 64, 1.0
 MESSAGES = [{"role": "user", "content": "Hi"}]
-BASES = {"/v1/completions": {"prompt": [72, 101], "max_tokens": 2},
-         "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 2},
+BASES = {"/v1/completions": {"prompt": [72, 101], "max_tokens": 1},
+         "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
          "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [72]}}
 TABLES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT,
           "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE}
@@ -191,7 +193,7 @@ def test_a_body_that_never_arrives_is_a_408(server):
     assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
     assert json.loads(body)["error"]["code"] == "body_timeout"
     assert server.http.get("/health").status_code == 200
-    with pytest.raises(Exception, match="body_timeout_s"):
+    with pytest.raises(InputError, match="body_timeout_s"):
         ServeSettings(body_timeout_s=0)
 
 
@@ -207,8 +209,8 @@ def test_a_body_that_never_arrives_is_a_408(server):
 def test_metadata_fields_must_be_of_their_type(server, path, extra, param):
     error = _error(_send(server, path, {**BASES[path], **extra}), 400, param)
     assert error["message"].startswith(f"{param} must be ")
-    for fine in (None, "someone"):
-        if param in ("model", "user"):
+    if param in ("model", "user"):  # (null, or a string, is taken)
+        for fine in (None, "someone"):
             assert _send(server, path, {**BASES[path], param: fine}).status_code == 200
 
 
@@ -237,6 +239,34 @@ def _body_schema(spec: dict, path: str) -> dict:
     return spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
 
 
+def _sound(server, path: str, body: object) -> int:
+    """Send ``body``: the answer is a 2xx, or a 4xx in OpenAI's shape; it names no path."""
+    r = _send(server, path, body)
+    assert r.status_code < 500, (path, body, r.text)
+    _no_path(server, r)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    return r.status_code
+
+
+def test_every_field_at_its_schemas_edges(server):
+    """Every field of every POST route's published schema, and each field of an object
+    field, at each of its edge values (past its bounds, int64's, a lone surrogate, an
+    empty string, another JSON type) on a body that is fine otherwise: no answer is a
+    5xx or names a path, and no internal error or engine fault is counted."""
+    spec = server.http.get("/openapi.json").json()
+    before = scrape(server.url)
+    statuses = []
+    for path in TABLES:
+        for name, change in edge_cases(_body_schema(spec, path)):
+            statuses.append(_sound(server, path, {**BASES[path], **change}))
+    after = scrape(server.url)
+    assert 400 in statuses and 200 in statuses
+    assert metric(after, "nextn_serve_internal_errors_total") == 0
+    assert metric(after, "nextn_engine_faults_total") == metric(
+        before, "nextn_engine_faults_total")
+
+
 @pytest.fixture(scope="module")
 def bodies(server):
     """(route, body) pairs drawn from the published schema: valid, and mutated."""
@@ -247,21 +277,16 @@ def bodies(server):
 
 
 def test_schema_driven_fuzz_never_answers_5xx_or_a_path(server, bodies):
-    """Bodies drawn from /openapi.json's schemas and broken ones, on every POST route:
-    every answer is a 2xx or a 4xx in OpenAI's shape, none names a path, no internal
-    error and no engine fault is counted, and the engine ends idle."""
+    """Bodies drawn from /openapi.json's schemas, and broken ones, on every POST route:
+    every answer is a 2xx or a 4xx in OpenAI's shape, none names a path, and no internal
+    error or engine fault is counted."""
     before = scrape(server.url)
 
-    @settings(max_examples=120, deadline=None, database=None,
+    @settings(max_examples=150, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(bodies)
     def check(case):
-        path, body = case
-        r = _send(server, path, body)
-        assert r.status_code < 500, (path, body, r.text)
-        _no_path(server, r)
-        if r.status_code >= 400:
-            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        _sound(server, *case)
 
     check()
     after = scrape(server.url)

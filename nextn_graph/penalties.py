@@ -41,7 +41,7 @@ def check_penalties(p, where: str) -> dict:
                              field=key)
         out[key] = float(v)
     r = p.repetition_penalty
-    if not _real(r) or not (math.isfinite(r) and 0 < r <= 100):
+    if not _real(r) or not 0 < r <= 100:
         raise InputError(f"{where}: repetition_penalty must be a number in (0, 100] (1 = off), "
                          f"got {show_value(r)}", field="repetition_penalty")
     out["repetition_penalty"] = float(r)
@@ -66,7 +66,7 @@ def _bias(value: object, where: str) -> tuple[tuple[int, float], ...]:
                          f"{MAX_LOGIT_BIAS} are taken", field="logit_bias")
     out = {}
     for k, v in pairs:
-        tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        tok = _token_id(k)
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise InputError(f"{where}: logit_bias key {show_value(k)} is not a token id",
                              field="logit_bias")
@@ -77,8 +77,22 @@ def _bias(value: object, where: str) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _token_id(key: object) -> object:
+    """A logit_bias key: a token id, or its decimal text (a JSON object's keys are
+    strings); anything else is returned as it is (and refused)."""
+    if not isinstance(key, str) or not key.strip().lstrip("-").isdecimal():
+        return key  # (isdecimal: "²" is a digit, not a decimal one int() reads)
+    try:
+        return int(key)
+    except ValueError:  # past Python's 4300-digit limit for int(str)
+        return key
+
+
 def _real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite number (an int of any size is one: never converted to a float here)."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,

@@ -45,16 +45,26 @@ class CheckpointTokenizer:
     tokenizer: Tokenizer
 
     def encode(self, text: str, where: str) -> list[int]:
-        """Token ids of ``text``; ``where`` (the prompt's file:line) names it in errors.
-        Special tokens only where the tokenizer's post-processor adds them."""
+        """Token ids of ``text``; ``where`` (the prompt's file:line, or a request's field)
+        names it in errors, which say what is wrong with the text and never name this
+        file (a server's client must not learn its paths). Special tokens only where the
+        tokenizer's post-processor adds them."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # (JSON's \ud800 escape makes such a string)
+            raise InputError(f"{where}: the text is not valid Unicode: character "
+                             f"{exc.start} is a lone surrogate "
+                             f"{ascii(text[exc.start])} (half of a UTF-16 pair)") from None
+        if not text:
+            raise InputError(f"{where}: the text is empty: it encodes to no tokens")
         try:
             ids = self.tokenizer.encode(text).ids
         except Exception as exc:  # the library raises bare Exception
-            raise InputError(f"{where}: {self.path} cannot encode the text "
+            raise InputError(f"{where}: the tokenizer cannot encode the text "
                              f"({show_value(str(exc), 120)})") from None
         if not ids:
             raise InputError(f"{where}: text {show_value(text, 40)} encodes to no tokens "
-                             f"with {self.path}")
+                             f"(the tokenizer drops each of its characters)")
         return ids
 
     @cached_property

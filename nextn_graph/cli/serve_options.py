@@ -60,6 +60,10 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
     parser.add_argument("--request-timeout", type=float, default=0.0,
                         help="seconds a request may run; past that it fails (504, or an "
                              "error event in its stream) and its rows are freed (0: no limit)")
+    parser.add_argument("--body-timeout", type=_seconds, default=ServeSettings.body_timeout_s,
+                        help="seconds a request's body may take to arrive after its "
+                             "headers; past that it is a 408 and the connection closes "
+                             f"(default {ServeSettings.body_timeout_s:g})")
     parser.add_argument("--model-name", default=None,
                         help="the model id served (default: the checkpoint's name)")
     parser.add_argument("--engine-thread", action="store_true",
@@ -77,6 +81,16 @@ def _port(text: str) -> int:
     value = int(text) if text.isdigit() else -1
     if not 0 <= value < 65536:
         raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 

@@ -1,10 +1,12 @@
 """The FastAPI app: OpenAI's completions and chat completions, models, health, metrics,
 and vLLM's /tokenize and /detokenize (``tokens``).
 
-Every refusal is an ``APIError`` rendered in OpenAI's error shape (unknown routes and
-unexpected exceptions too: a client never sees a traceback). The engine lives in its own
-process or on a thread (``worker``, ``engine_host``), started with the app and stopped
-after its last request.
+Every refusal is an ``APIError`` rendered in OpenAI's error shape (unknown routes, a
+wrong method with its ``Allow``, and unexpected exceptions too: a client never sees a
+traceback). ``/openapi.json`` is FastAPI's schema, each POST route's body described by
+``schema.py`` (it documents; the routes parse their bodies themselves). The engine lives
+in its own process or on a thread (``worker``, ``engine_host``), started with the app and
+stopped after its last request.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from starlette.exceptions import HTTPException
 
 from .build import EngineFacts
 from .errors import APIError
+from .fields import CHAT, COMPLETIONS
 from .limits import Admission, ServeSettings, check_api_key, read_json
 from .metrics import ServeMetrics
 from .protocol import ModelInfo, parse_request
 from .responses import DONE, Shaper, sse
+from .schema import CHAT_TYPES, COMPLETION_TYPES, object_schema, openapi_body
 from .session import Session
 from .tokens import add_token_routes
 from .worker import EngineWorker, Host
@@ -55,8 +59,8 @@ class ServerState:
             raise APIError(503, "the server is shutting down")
         if self.worker.dead:
             raise APIError(503, self.worker.dead)
-        if self.worker.failed:
-            raise APIError(503, f"the engine failed to start: {self.worker.failed}")
+        if self.worker.failed:  # (its reason names the server's files: the log has it)
+            raise APIError(503, "the engine failed to start (the server's log says why)")
         if self.worker.info is None:
             raise APIError(503, "the engine is starting (capturing its graphs); retry shortly",
                            headers={"Retry-After": "1"})
@@ -97,7 +101,8 @@ def create_app(settings: ServeSettings, host: Host,
         yield
         await asyncio.to_thread(state.worker.stop)
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(lifespan=lifespan, title="nextn_graph", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.serve = state
 
     @app.exception_handler(APIError)
@@ -106,13 +111,14 @@ def create_app(settings: ServeSettings, host: Host,
             state.metrics.rejected.labels(str(exc.status)).inc()
         return _error(exc)
 
-    @app.exception_handler(HTTPException)
+    @app.exception_handler(HTTPException)  # the router's 404, and 405 with its Allow
     async def http_error(request: Request, exc: HTTPException):
-        return _error(APIError(exc.status_code, str(exc.detail)))
+        return _error(APIError(exc.status_code, str(exc.detail), headers=exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.error("unexpected error serving %s", request.url.path, exc_info=exc)
+        state.metrics.internal_errors.inc()
         return _error(APIError(500, f"internal error: {type(exc).__name__}"))
 
     @app.get("/health")
@@ -136,11 +142,13 @@ def create_app(settings: ServeSettings, host: Host,
                                             "owned_by": "nextn_graph",
                                             "max_model_len": info.max_context}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(
+        object_schema(COMPLETIONS, COMPLETION_TYPES, ("prompt",))))
     async def completions(request: Request):
         return await _generate(state, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(
+        object_schema(CHAT, CHAT_TYPES, ("messages",))))
     async def chat_completions(request: Request):
         return await _generate(state, request, chat=True)
 
@@ -153,7 +161,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     settings = state.settings
     check_api_key(request.headers.get("authorization"), settings.api_key)
     info = state.info()
-    req = parse_request(await read_json(request, settings.max_body_bytes), info, chat)
+    req = parse_request(await read_json(request, settings), info, chat)
     count = len(req.prompts) * req.n  # engine requests: the admission counts them
     state.admission.enter(count)
     sess = Session(req, state.worker, state.metrics, info.tokenizer,

@@ -52,7 +52,8 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
                          shutdown_grace_s=max(args.shutdown_grace, 0.0),
                          model_name=args.model_name,
                          engine="thread" if args.engine_thread else "process",
-                         request_timeout_s=args.request_timeout or None)
+                         request_timeout_s=args.request_timeout or None,
+                         body_timeout_s=args.body_timeout)
 
 
 def engine_host(cfg: RunConfig, settings: ServeSettings, log_level: str,

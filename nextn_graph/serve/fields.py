@@ -4,7 +4,8 @@ with one policy. Nothing is silently ignored:
 
 - ``honoured``: implemented (``protocol.parse_request`` reads and checks it);
 - ``metadata``: accepted, with no effect on what is generated (``why`` says why that is
-  harmless);
+  harmless), when it is null or of its JSON type (``types``: a string, a flag, an
+  object; anything else is a 400 naming the field);
 - ``refused``: accepted only while it holds its default or a neutral value (null, or one
   of ``neutral``); any other value is a 400 naming the field, "not supported by this
   server (yet)".
@@ -28,14 +29,20 @@ class Field:
     policy: str  # honoured | metadata | refused
     why: str  # what the server does with it, or why it is harmless, or what is missing
     neutral: tuple = ()  # refused: the values accepted besides null (defaults, no-ops)
+    types: tuple[type, ...] = ()  # metadata: the Python types of its JSON values (str,
+    # bool, dict), besides null
+
+    def __post_init__(self) -> None:
+        if (self.policy == METADATA) != bool(self.types):
+            raise ValueError(f"a metadata field, and only one, has its types: {self}")
 
 
 def _h(why: str) -> Field:
     return Field(HONOURED, why)
 
 
-def _m(why: str) -> Field:
-    return Field(METADATA, why)
+def _m(why: str, *types: type) -> Field:
+    return Field(METADATA, why, types=types)
 
 
 def _r(why: str, *neutral) -> Field:
@@ -44,7 +51,8 @@ def _r(why: str, *neutral) -> Field:
 
 # Fields both endpoints share, with the same meaning and policy.
 _COMMON = {
-    "model": _m("one model is served; the name is checked to be a string, not matched"),
+    "model": _m("one model is served; the name is checked to be a string, not matched",
+                str),
     "frequency_penalty": _h("in [-2, 2]: count x penalty off each output token's logit, at "
                             "every verify row (an engine with graph.penalties)"),
     "presence_penalty": _h("in [-2, 2]: off the logit of each token the output holds"),
@@ -58,7 +66,7 @@ _COMMON = {
     "stream_options": _h("an object; its keys per STREAM_OPTIONS"),
     "temperature": _h("0 greedy; > 0 samples (an engine built with graph.sampling)"),
     "top_p": _h("nucleus sampling"),
-    "user": _m("an end-user id for abuse tracking; nothing here is tracked or billed"),
+    "user": _m("an end-user id for abuse tracking; nothing here is tracked or billed", str),
 }
 
 # vLLM's extensions (its spelling): the ones this server implements or refuses by name.
@@ -97,14 +105,16 @@ CHAT = {
     "functions": _r("no function calling", []),
     "logprobs": _h("true: each output token's logprob"),
     "top_logprobs": _h("k most likely alternatives per token (with logprobs: true)"),
-    "metadata": _m("tags for stored completions; nothing is stored, nothing reads them"),
+    "metadata": _m("tags for stored completions; nothing is stored, nothing reads them",
+                   dict),
     "modalities": _r("text only", ["text"]),
-    "parallel_tool_calls": _m("only shapes tool calls, and tools are refused"),
+    "parallel_tool_calls": _m("only shapes tool calls, and tools are refused", bool),
     "prediction": _r("no predicted outputs"),
     "reasoning_effort": _r("not a reasoning model with an effort setting"),
     "response_format": _r("no structured output", {"type": "text"}),
-    "service_tier": _m("a billing / latency tier; this server has one tier"),
-    "store": _m("stores the completion for OpenAI's evals; nothing is stored or read back"),
+    "service_tier": _m("a billing / latency tier; this server has one tier", str),
+    "store": _m("stores the completion for OpenAI's evals; nothing is stored or read back",
+                bool),
     "tool_choice": _r("no tool calling", "none"),
     "tools": _r("no tool calling", []),
     "web_search_options": _r("no web search"),
@@ -114,7 +124,8 @@ STREAM_OPTIONS = {
     "include_usage": _h("a last chunk with no choices carries the usage"),
     "continuous_usage_stats": _h("with include_usage, every chunk carries the usage so far "
                                  "(guidellm sends it)"),
-    "include_obfuscation": _m("padding against length side channels; changes no content"),
+    "include_obfuscation": _m("padding against length side channels; changes no content",
+                              bool),
 }
 
 
@@ -123,7 +134,19 @@ def _same(value: object, neutral: object) -> bool:
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
+# what a metadata field's types are called in its refusal
+_TYPE_NAMES = {str: "a string", bool: "true or false", dict: "an object"}
+
+
+def _of(value: object, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # (True is an int in Python: a bool is of bool alone)
+        return bool in types
+    return isinstance(value, types)
+
+
 def check_table(body: dict, table: dict[str, Field], prefix: str) -> None:
+    """Each key of ``body`` against ``table`` (``prefix`` names the object it sits in:
+    ``stream_options.``)."""
     for key, value in body.items():
         name = prefix + str(key)
         field = table.get(key)
@@ -136,11 +159,15 @@ def check_table(body: dict, table: dict[str, Field], prefix: str) -> None:
             raise APIError(400, f"{name} {show_value(value)} is not supported by this server "
                                 f"(yet): {field.why}; only {allowed} is accepted",
                            param=name, code="unsupported_field")
+        if field.policy == METADATA and value is not None and not _of(value, field.types):
+            kinds = " or ".join(_TYPE_NAMES[t] for t in field.types)
+            raise APIError(400, f"{name} must be {kinds} or null, got {show_value(value)}",
+                           param=name, code="invalid_value")
 
 
 def check_fields(body: dict, chat: bool) -> None:
-    """Refuse (400, ``param`` = the field) an unknown field, or a refused one holding
-    anything but null or a neutral value."""
+    """Refuse (400, ``param`` = the field) an unknown field, a refused one holding
+    anything but null or a neutral value, or a metadata one of another JSON type."""
     check_table(body, CHAT if chat else COMPLETIONS, "")
     options = body.get("stream_options")
     if isinstance(options, dict):

@@ -1,10 +1,13 @@
-"""What a request must pass before it costs anything: the API key, the body size (and
-that it is JSON), and room in the server (rows in the pool plus a bounded waiting queue)."""
+"""What a request must pass before it costs anything: the API key, the body size and the
+time it takes to arrive (and that it is JSON), and room in the server (rows in the pool
+plus a bounded waiting queue)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,15 +39,25 @@ class ServeSettings:
     # a request still running after this many seconds fails (504, or an error event in
     # its stream) and its engine requests are aborted; None: no limit
     request_timeout_s: float | None = None
+    # a body not all there this many seconds after its headers is a 408 and the
+    # connection closes (a client that declares more than it sends holds nothing)
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_HOSTS:
             raise InputError(f"ServeSettings.engine must be one of {ENGINE_HOSTS}, got "
                              f"{self.engine!r}")
         t = self.request_timeout_s
-        if t is not None and not (isinstance(t, (int, float)) and 0 < t < float("inf")):
+        if t is not None and not _seconds(t):
             raise InputError(f"ServeSettings.request_timeout_s must be a number of seconds "
                              f"> 0 or None, got {t!r}")
+        if not _seconds(self.body_timeout_s):
+            raise InputError(f"ServeSettings.body_timeout_s must be a number of seconds > 0, "
+                             f"got {self.body_timeout_s!r}")
+
+
+def _seconds(t: object) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < math.inf
 
 
 def check_api_key(header: str | None, key: str | None) -> None:
@@ -57,9 +70,19 @@ def check_api_key(header: str | None, key: str | None) -> None:
                        code="invalid_api_key")
 
 
-async def read_body(request: "Request", limit: int) -> bytes:
+async def read_body(request: "Request", limit: int, timeout_s: float) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (a declared
-    Content-Length is checked before reading; a chunked body is counted as it comes)."""
+    Content-Length is checked before reading; a chunked body is counted as it comes),
+    and with 408 when it is not all there within ``timeout_s`` (the connection closes:
+    what is left of the body would be read as the next request)."""
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: "Request", limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_big = APIError(413, f"the request body exceeds {limit} bytes",
                        code="request_too_large")
@@ -78,9 +101,10 @@ async def read_body(request: "Request", limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def read_json(request: "Request", limit: int) -> object:
-    """The body (at most ``limit`` bytes) parsed as JSON; 400 when it is not JSON."""
-    raw = await read_body(request, limit)
+async def read_json(request: "Request", settings: ServeSettings) -> object:
+    """The body (within the settings' size and time limits) parsed as JSON; 400 when it
+    is not JSON."""
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):  # (nesting deeper than the parser goes)

@@ -26,6 +26,7 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None
+        self.ended = False  # the engine is gone: its cache holds no page any more
 
     def collect(self):
         snap = self.snapshot
@@ -46,17 +47,21 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily("nextn_prefix_cache_hit_rate", "hit tokens / queried "
                                     "tokens since start", value=hit / asked if asked else 0.0)
             yield GaugeMetricFamily("nextn_prefix_cache_pages", "KV pages the prefix cache "
-                                    "holds", value=pages)
+                                    "holds", value=0 if self.ended else pages)
 
 
 class ServeMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ready = Gauge(P + "ready", "1 once the engine's graphs are captured", registry=r)
+        self.ready = Gauge(P + "ready", "1 while the engine serves: its graphs captured, "
+                           "and it has not ended", registry=r)
         self.requests = Counter(P + "requests", "engine requests (choices) ended, by "
                                 "finish reason (stop, length, error, cancelled)", ["reason"], registry=r)
         self.rejected = Counter(P + "rejected", "requests refused before the engine, by "
                                 "HTTP status", ["status"], registry=r)
+        self.internal_errors = Counter(P + "internal_errors", "requests answered 500 by an "
+                                       "unexpected error of the server (a bug: the log has "
+                                       "its traceback)", registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "prompt tokens of requests ended "
                                      "(each prompt once)",
                                      registry=r)
@@ -108,6 +113,16 @@ class ServeMetrics:
         self.queue_depth.set(snap.num_waiting + snap.pending)
         self.running.set(max(snap.live - snap.num_waiting, 0))
         self.free_rows.set(snap.free_rows)
+
+    def engine_ended(self) -> None:
+        """The engine ended on its own (its process died): it runs nothing, queues nothing
+        and has no row to give, whatever its last turn said; its counters keep their
+        totals."""
+        self._engine.ended = True
+        self.ready.set(0)
+        self.running.set(0)
+        self.queue_depth.set(0)
+        self.free_rows.set(0)
 
     def _count_acceptance(self, accepted: int, drafted: int) -> None:
         """A round's accept length as the engine read it back (before stop and length

@@ -13,15 +13,12 @@ from typing import TYPE_CHECKING
 
 from ..errors import InputError, show_value
 from .errors import APIError
+from .errors import bad_value as bad
 
 if TYPE_CHECKING:
     from .protocol import ModelInfo
 
 MAX_PROMPTS = 64  # prompts in one completions request (a batch)
-
-
-def bad(message: str, param: str | None) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
 
 
 def checked_ids(value: list, info: "ModelInfo", param: str, where: str | None = None) -> list[int]:

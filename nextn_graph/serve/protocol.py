@@ -25,12 +25,15 @@ from ..checkpoint.tokenizer import CheckpointTokenizer
 from ..errors import InputError, show_value
 from ..penalties import PENALTY_KEYS
 from ..runtime.request_checks import output_room, penalty_field
-from ..sampling import SamplingParams, request_seed, with_bans
+from ..sampling import SEED_LIMIT, SamplingParams, request_seed, with_bans
 from .chat import ChatTemplate
 from .errors import APIError
+from .errors import bad_value as _bad
 from .fields import check_fields
-from .prompts import bad as _bad
 from .prompts import chat_prompt, checked_ids, completion_prompts
+from .values import flag as _flag
+from .values import integer as _int
+from .values import number as _number
 
 MAX_STOP_STRINGS = 4  # OpenAI's bound
 MAX_STOP_CHARS = 256  # one stop string; the stream holds back this much text at most
@@ -123,33 +126,6 @@ class GenRequest:
                 for p in range(len(self.prompts)) for j in range(self.n)]
 
 
-def _int(body: dict, key: str, default, low: int, high: int | None = None):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise _bad(f"{key} must be an integer {bound}, got {show_value(value)}", key)
-    return value
-
-
-def _flag(body: dict, key: str, where: str = "") -> bool:
-    value = body.get(key, False)
-    if not isinstance(value, bool) and value is not None:
-        raise _bad(f"{where}{key} must be true or false, got {show_value(value)}", where + key)
-    return value is True
-
-
-def _number(body: dict, key: str, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(f"{key} must be a number, got {show_value(value)}", key)
-    return float(value)
-
-
 def _stop(body: dict) -> tuple[str, ...]:
     value = body.get("stop")
     stops = [value] if isinstance(value, str) else value if value is not None else []
@@ -166,6 +142,14 @@ def _refusal(exc: InputError) -> APIError:
     return _bad(str(exc).removeprefix(f"{WHERE}: "), param)
 
 
+def _top_k(body: dict, info: ModelInfo) -> int:
+    """vLLM's -1 and 0 are off; so is any k that keeps the whole vocabulary (k >=
+    vocab_size filters nothing), so a k of any size is taken and none reaches the
+    engine's int64 tensors out of range."""
+    k = _int(body, "top_k", 0, -1)
+    return 0 if k < 0 or k >= info.vocab_size else k
+
+
 def _sampling(body: dict, info: ModelInfo, max_tokens: int,
               stop_ids: frozenset[int]) -> SamplingParams:
     # OpenAI's default temperature is 1; an engine built greedy-only decodes greedily
@@ -176,7 +160,7 @@ def _sampling(body: dict, info: ModelInfo, max_tokens: int,
                    "logit_bias")
     params = SamplingParams(
         _number(body, "temperature", default_t), _number(body, "top_p", 1.0),
-        max(_int(body, "top_k", 0, -1), 0), _int(body, "seed", None, 0, 2**63),  # -1: off
+        _top_k(body, info), _int(body, "seed", None, 0, SEED_LIMIT),
         min_p=_number(body, "min_p", 0.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
@@ -280,10 +264,7 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
     """A JSON body of /v1/completions (``chat`` False) or /v1/chat/completions."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
-    check_fields(body, chat)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model must be a string", "model")
+    check_fields(body, chat)  # (and the metadata fields' types: model, user, ...)
     prompts, room = _prompts(body, info, chat)
     max_tokens = _max_tokens(body, info, chat, max(len(p) for p in prompts), room)
     extra = body.get("stop_token_ids") or []

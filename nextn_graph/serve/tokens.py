@@ -20,8 +20,10 @@ from .fields import HONOURED, METADATA, REFUSED, Field, check_table
 from .limits import check_api_key, read_json
 from .prompts import chat_prompt, checked_ids, encode_text
 from .protocol import ModelInfo
+from .schema import DETOKENIZE_TYPES, TOKENIZE_TYPES, object_schema, openapi_body
 
-_MODEL = Field(METADATA, "one model is served; the name is not matched")
+_MODEL = Field(METADATA, "one model is served; the name is checked to be a string, not "
+               "matched", types=(str,))
 TOKENIZE = {
     "model": _MODEL,
     "prompt": Field(HONOURED, "a string, encoded as /v1/completions encodes it"),
@@ -30,6 +32,10 @@ TOKENIZE = {
     "return_token_strs": Field(REFUSED, "token strings are not returned", (False,)),
 }
 DETOKENIZE = {"model": _MODEL, "tokens": Field(HONOURED, "token ids of the vocabulary")}
+# (either prompt or messages)
+TOKENIZE_SCHEMA = {**object_schema(TOKENIZE, TOKENIZE_TYPES),
+                   "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+DETOKENIZE_SCHEMA = object_schema(DETOKENIZE, DETOKENIZE_TYPES, ("tokens",))
 
 
 def _object(body: object, table: dict) -> dict:
@@ -78,12 +84,12 @@ def add_token_routes(app: FastAPI, state) -> None:
     async def body_of(request: Request) -> object:
         check_api_key(request.headers.get("authorization"), state.settings.api_key)
         state.info()  # (503 while starting or draining)
-        return await read_json(request, state.settings.max_body_bytes)
+        return await read_json(request, state.settings)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(TOKENIZE_SCHEMA))
     async def tokenize_route(request: Request):
         return tokenize(await body_of(request), state.info())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body(DETOKENIZE_SCHEMA))
     async def detokenize_route(request: Request):
         return detokenize(await body_of(request), state.info())

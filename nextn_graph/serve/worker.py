@@ -12,7 +12,8 @@ The job table is the asyncio loop's alone (no lock).
 An engine that ends on its own (its process killed, a segfault, the OOM killer; the
 engine thread raising) fails every open job (500, with the reason: "the engine process
 died (exit code -9)", an ``error`` event mid-stream); ``/health`` then answers 503 with
-that reason, and new requests get 503.
+that reason, new requests get 503, and /metrics says so (``ready`` 0, nothing running
+or waiting, no free row).
 """
 
 from __future__ import annotations
@@ -155,5 +156,5 @@ class EngineWorker:
             return self.build_failed(reason)
         log.error("%s: failing every request", reason)
         self.dead = reason
-        self.metrics.ready.set(0)
+        self.metrics.engine_ended()
         self._post(self._fail_all, Failure(500, reason))

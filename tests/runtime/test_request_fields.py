@@ -134,7 +134,11 @@ def _info(eng: SpecEngine) -> ModelInfo:
 # integer checks refuse a bad top_k, seed or min_tokens first)
 SERVED_CASES = [("temperature", -1.0), ("top_p", 0.0), ("min_p", 2.0),
                 ("presence_penalty", 3.0), ("frequency_penalty", -3.0),
-                ("repetition_penalty", 0.0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 200})]
+                ("repetition_penalty", 0.0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 200}),
+                # a digit no decimal one, a key past int(str)'s 4300 digits, a bias past a
+                # float (each raised a bare ValueError or OverflowError: a 500)
+                ("logit_bias", {"\u00b2": 1}), ("logit_bias", {"1" * 5000: 1}),
+                ("logit_bias", {"5": 10**400})]
 
 
 @pytest.mark.parametrize("key, value", SERVED_CASES)

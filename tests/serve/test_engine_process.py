@@ -1,7 +1,7 @@
 """The engine in its own process, killed (SIGKILL: as a segfault or the OOM killer
 would end it) while requests are open: a stream gets an ``error`` event naming the
-death, a waiting whole request a 500 naming it, ``/health`` a 503 with the reason, and
-new requests a 503. A fault inside the engine process in the middle of a stream (one
+death, a waiting whole request a 500 naming it, ``/health`` a 503 with the reason,
+new requests a 503, and ``/metrics`` nothing running, waiting or free. A fault inside the engine process in the middle of a stream (one
 request's round chunk raising) ends that stream alone. Also the front's own process
 never builds an engine: the pool and the device are the engine process's, seen through
 the loop's snapshots."""
@@ -24,7 +24,7 @@ from nextn_graph.serve.engine_host import ProcessHost
 from nextn_graph.serve.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
-from serve_support import FAULT, fault_a_shared_round, wait_idle
+from serve_support import FAULT, fault_a_shared_round, metric, scrape, wait_idle
 
 ROWS = 2
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]
@@ -64,7 +64,8 @@ def test_a_killed_engine_fails_every_request_explicitly(server):
         waiter = threading.Thread(target=wait_whole)
         waiter.start()
         deadline = time.monotonic() + 30
-        while server.state.admission.in_flight < 2:
+        while server.state.admission.in_flight < 2 or metric(
+                scrape(server.url), "nextn_serve_running_requests") < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         os.kill(server.state.worker.host.pid, signal.SIGKILL)
@@ -80,6 +81,11 @@ def test_a_killed_engine_fails_every_request_explicitly(server):
     late = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
     assert late.status_code == 503 and late.json()["error"]["message"] == reason
     assert server.state.admission.in_flight == 0
+    after = scrape(server.url)  # the dead engine runs, queues and serves nothing
+    for name in ("ready", "running_requests", "queue_depth", "free_rows",
+                 "in_flight_requests"):
+        assert metric(after, f"nextn_serve_{name}") == 0, name
+    assert metric(after, "nextn_engine_emitted_tokens_total") > 0  # (its totals stay)
     http.close()
 
 

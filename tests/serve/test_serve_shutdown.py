@@ -138,3 +138,18 @@ def test_serve_runs_the_engine_in_a_process_unless_told():
     assert serve_settings(build_parser().parse_args(["serve"])).engine == "process"
     args = build_parser().parse_args(["serve", "--engine-thread"])
     assert serve_settings(args).engine == "thread"
+
+
+def test_serve_body_timeout_option(capsys):
+    """--body-timeout sets ServeSettings.body_timeout_s (30 s unless told); a value that
+    is no positive number of seconds is refused by argparse, naming it."""
+    from nextn_graph.cli.commands import build_parser
+    from nextn_graph.serve.command import serve_settings
+
+    assert serve_settings(build_parser().parse_args(["serve"])).body_timeout_s == 30.0
+    args = build_parser().parse_args(["serve", "--body-timeout", "2.5"])
+    assert serve_settings(args).body_timeout_s == 2.5
+    for bad in ("0", "-1", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--body-timeout", bad])
+        assert "--body-timeout" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import time
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..runtime.engine import SpecEngine
+from ..runtime.request_checks import output_room
 from ..sampling import SamplingParams
 
 # Output tokens per request of the end-to-end comparison (fewer where the pool's
@@ -20,7 +21,9 @@ E2E_MAX_NEW = 32
 
 def e2e_max_new(engine: SpecEngine, prompts: list[list[int]]) -> int:
     """``E2E_MAX_NEW``, or as many as the pool's context holds after the longest prompt."""
-    return min(E2E_MAX_NEW, engine.max_context - max(map(len, prompts)) - engine.lookahead)
+    limits = engine.request_limits
+    return min(E2E_MAX_NEW, output_room(max(map(len, prompts)), limits.max_context,
+                                        limits.lookahead))
 
 
 def bench_temperature(cfg: RunConfig, where: str) -> float:

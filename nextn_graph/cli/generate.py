@@ -20,7 +20,7 @@ from ..launch.ranks import load_on_ranks
 from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
 from ..runtime.generate import plain_generate, reference_generate
-from ..runtime.request_checks import validate_prompts
+from ..runtime.request_checks import RequestLimits, validate_prompts
 from ..sampling import (KEYS as SAMPLING_KEYS, SamplingParams, request_seed,
                          sampling_per_prompt)
 from .prompts import Prompt, prompt_ids, read_prompts
@@ -92,8 +92,9 @@ def run_generate(args: argparse.Namespace, cfg: RunConfig, group: TPGroup) -> in
     prompts = prompt_ids(given, tokenizer, root)
     if args.mode == "spec":
         # Refuse bad prompts before spending time on capture.
-        validate_prompts(prompts, models.cfg, cfg.pool.max_context, args.max_new_tokens,
-                         lookahead=cfg.speculative.num_steps - 1)
+        validate_prompts(prompts, RequestLimits.of(models.cfg, cfg.pool.max_context,
+                                                   lookahead=cfg.speculative.num_steps - 1),
+                         args.max_new_tokens)
         sampled = [p.where for p, s in zip(given, sampling) if not s.greedy]
         if sampled and not cfg.graph.sampling:
             raise InputError(f"{sampled[0]}: the request samples, but the config sets "

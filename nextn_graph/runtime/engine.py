@@ -11,15 +11,12 @@ from typing import Iterable, Sequence
 import torch
 
 from ..checkpoint.loader import load_checkpoint
-from ..config import (GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig,
-                      check_pool, check_scheduler, check_section, resolve_graph,
-                      resolve_speculative)
+from ..config import GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig
 from ..errors import InputError, ParallelError, RequestFailed
 from ..kernels.select import select_kernels
 from ..parallel.control import Message
 from ..parallel.group import TPGroup
 from .generate import GenerateResult
-from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..model.ops import use_kernels
 from ..graph.backends import GraphBackend, make_backend
@@ -37,14 +34,8 @@ from .request import StepOutput
 from .request_checks import NewRequest, RequestLimits, checked_batch
 from ..sampling import SamplingParams
 from .scheduler import Scheduler
+from .setup import WHERE, EngineSetup
 from .stats import SpecStats
-
-
-# pool.prefix_snapshots 0: one boundary state per request row. A state is the SWA
-# window and C4's raw block of every layer (V4-Flash: ~6 MB, 3x a page's entries, half a
-# row's rings), so one per page would quadruple a long-context pool; more is a setting
-# (perf/paged_capacity.py --snapshots-per-row prices it).
-DEFAULT_SNAPSHOTS_PER_ROW = 1
 
 
 class SpecEngine:
@@ -54,93 +45,111 @@ class SpecEngine:
                  backend: GraphBackend | None = None, updates: UpdateRegistry | None = None,
                  progress: bool = False, scheduler: SchedulerConfig | None = None,
                  kernels: str | None = None):
-        """Start-up in a fixed order: pools, static state and buffers, then capture.
+        """Start-up in a fixed order: every section resolved (nothing built yet), the
+        group told, kernels, pools, static state and buffers, capture, then scheduling.
         ``spec`` None decodes plainly (no draft) over the same buffers and graphs;
         ``graph`` None runs eagerly; ``backend``: a prebuilt one (e.g. NPU over a fake
         namespace); ``kernels`` None keeps the set the models were loaded with."""
-        # Configs built in code are checked as strictly as those read from YAML.
-        where = "SpecEngine"
-        # rank 0 alone schedules: checked before the other ranks are told to build
-        sched_cfg = check_section(scheduler or SchedulerConfig(), where, "scheduler.")
-        check_scheduler(sched_cfg, where)
-        self.tp: TPGroup = target.tp
+        setup = EngineSetup.resolve(target.cfg, spec, pool, graph, scheduler)
+        self._join_group(target.tp, setup, kernels,
+                         prebuilt=backend is not None or updates is not None)
+        self._use_kernels(target, draft, kernels)
+        self._pools(target, draft, setup)
+        decode = self._state_and_buffers(setup)
+        self._graphs(setup, decode, backend, updates or UpdateRegistry(), progress)
+        self._scheduling(setup, decode)
+        self.request_limits = self._limits(setup)
+
+    def _join_group(self, tp: TPGroup, setup: EngineSetup, kernels: str | None,
+                    prebuilt: bool) -> None:
+        """On a tensor-parallel group every rank builds the same engine, in the same
+        order: rank 0 says which before anything is built."""
+        self.tp: TPGroup = tp
         self.engine_id = 0  # on a tensor-parallel group: the same on every rank
-        if self.tp.parallel:
-            if backend is not None or updates is not None:
-                raise InputError("SpecEngine: a prebuilt graph backend or update registry "
-                                 "cannot be mirrored on the other ranks of a tensor-parallel "
-                                 "group; give graph.backend instead")
-            # Every rank builds the same engine, in the same order: rank 0 says which.
-            self.engine_id = self.tp.channel.new_engine_id()
-            if self.tp.is_driver:
-                self.tp.channel.send(Message("build", self.engine_id,
-                                             (spec, pool, graph, kernels)))
+        if not tp.parallel:
+            return
+        if prebuilt:
+            raise InputError(f"{WHERE}: a prebuilt graph backend or update registry cannot "
+                             f"be mirrored on the other ranks of a tensor-parallel group; "
+                             f"give graph.backend instead")
+        self.engine_id = tp.channel.new_engine_id()
+        if tp.is_driver:
+            tp.channel.send(Message("build", self.engine_id,
+                                    (setup.spec, setup.pool, setup.graph, kernels)))
+
+    @staticmethod
+    def _use_kernels(target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
+                     kernels: str | None) -> None:
         if kernels is not None:  # before anything is built over the models
             kernel_set = select_kernels(kernels, target.embed.weight.device.type)
             use_kernels(target, kernel_set)
             use_kernels(draft, kernel_set)
-        if spec is not None:
-            spec = resolve_speculative(check_section(spec, where, "speculative."), where)
-        self.cfg, self.spec = target.cfg, spec
-        self.num_steps = spec.num_steps if spec is not None else 0
-        self.verify_width = width = spec.verify_width if spec is not None else 1
-        pool = check_section(pool, where, "pool.")
-        check_pool(pool, width, where)
-        graph = resolve_graph(check_section(graph or GraphConfig(backend="eager"), where,
-                                            "graph."), pool, where)
-        snapshots = 0 if not pool.prefix_cache else (  # the page-boundary states kept
-            pool.prefix_snapshots or DEFAULT_SNAPSHOTS_PER_ROW * pool.max_requests)
-        layout = PoolLayout(pool.max_requests, pool.max_context, width, pool.page_size,
-                            pool.num_pages, snapshots)
-        self.max_context = pool.max_context
-        # positions a verify window writes past a request's last output: S - 1, and N
-        # more with overlap (the round launched before the request's end was read)
-        overlap = graph.overlap == "on"
-        self.lookahead = max(self.num_steps - 1, 0) + (width if overlap else 0)
-        self.models = SpecModels(target, draft, target.new_pool(layout), draft.new_pool(layout))
-        # a request's context is bounded by the pool's pages too (all of them, at most)
-        self.max_context = min(self.max_context, self.models.target_pool.max_positions)
+
+    def _pools(self, target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,
+               setup: EngineSetup) -> None:
+        """What the engine reads off the models and the setup; both models' KV pools, of
+        one layout."""
+        self.cfg, self.spec = target.cfg, setup.spec
+        self.num_steps, self.verify_width = setup.num_steps, setup.verify_width
         self.device = target.embed.weight.device
-        dtype = target.embed.weight.dtype
-        self.state = RequestState.allocate(layout.rows, self.cfg.hc_dim, self.device, dtype)
-        if graph.logprobs > self.cfg.vocab_size:
-            raise InputError(f"{where}: graph.logprobs {graph.logprobs} exceeds the "
-                             f"vocabulary ({self.cfg.vocab_size} tokens)")
-        self.max_logprobs = graph.logprobs  # top logprobs a request may ask per token
-        bufs = RoundBuffers.allocate(pool.max_requests, self.num_steps, self.cfg.hc_dim,
-                                     self.device, dtype, top_logprobs=graph.logprobs)
-        self.samples = graph.sampling  # requests may sample (tables and graphs for it)
-        self.penalizes = graph.penalties  # requests may carry penalties
-        sampling = SamplingTables.allocate(layout.rows, pool.max_requests, self.num_steps,
-                                           self.cfg.vocab_size, self.device) if self.samples else None
-        penalties = PenaltyTables.allocate(layout.rows, self.cfg.vocab_size, width,
-                                           self.device) if graph.penalties else None
-        updates = updates or UpdateRegistry()
-        backend = backend or make_backend(graph.backend, updates,
-                                          compile_backend=graph.compile_backend)
-        self.runner = GraphRunner(backend, warmup=graph.warmup, collectives=self.tp.counts)
-        decode = DecodeRound(self.models, self.state, bufs, self.num_steps,
-                             fused=graph.round == "fused", sampling=sampling,
-                             penalties=penalties)
-        self.chunks = ChunkRunner(decode, self.runner,
-                                  graph.buckets if backend.captures else (), graph.captured_phases,
-                                  updates, graph.debug_check_addresses)
+        self.models = SpecModels(target, draft, target.new_pool(setup.layout),
+                                 draft.new_pool(setup.layout))
+
+    def _state_and_buffers(self, setup: EngineSetup) -> DecodeRound:
+        """The static state, round buffers and (where the graph section asks) sampling
+        and penalty tables, allocated once -> the round over them."""
+        rows, requests, g = setup.layout.rows, setup.pool.max_requests, setup.graph
+        hc, vocab = self.cfg.hc_dim, self.cfg.vocab_size
+        dtype = self.models.target.embed.weight.dtype
+        self.state = RequestState.allocate(rows, hc, self.device, dtype)
+        bufs = RoundBuffers.allocate(requests, self.num_steps, hc, self.device, dtype,
+                                     top_logprobs=g.logprobs)
+        sampling = SamplingTables.allocate(rows, requests, self.num_steps, vocab,
+                                           self.device) if g.sampling else None
+        penalties = PenaltyTables.allocate(rows, vocab, self.verify_width,
+                                           self.device) if g.penalties else None
+        return DecodeRound(self.models, self.state, bufs, self.num_steps,
+                           fused=g.round == "fused", sampling=sampling, penalties=penalties)
+
+    def _graphs(self, setup: EngineSetup, decode: DecodeRound, backend: GraphBackend | None,
+                updates: UpdateRegistry, progress: bool) -> None:
+        """The graph runner and the round's chunks, captured."""
+        g = setup.graph
+        backend = backend or make_backend(g.backend, updates, compile_backend=g.compile_backend)
+        self.runner = GraphRunner(backend, warmup=g.warmup, collectives=self.tp.counts)
+        self.chunks = ChunkRunner(decode, self.runner, g.buckets if backend.captures else (),
+                                  g.captured_phases, updates, g.debug_check_addresses)
         self.chunks.capture(progress=progress and self.tp.is_driver)
+
+    def _scheduling(self, setup: EngineSetup, decode: DecodeRound) -> None:
+        """The scheduler (rank 0's alone decides), the prefix cache, prefill and rounds."""
+        pool, width = setup.pool, setup.verify_width
         self.stats = SpecStats(verify_width=width)
-        self.prefix = prefix_reuse(self.models, where) if pool.prefix_cache else None
+        self.prefix = prefix_reuse(self.models, WHERE) if pool.prefix_cache else None
         self.scheduler = Scheduler(self.models.target_pool, self.stats,
-                                   sched_cfg.prefill_token_budget,
-                                   self.tp.rank if self.tp.parallel else None, self.lookahead,
+                                   setup.scheduler.prefill_token_budget,
+                                   self.tp.rank if self.tp.parallel else None, setup.lookahead,
                                    self.prefix if self.tp.is_driver else None, width,
                                    grow=pool.allocation == "grow")
-        hidden = (torch.zeros(layout.snapshots + 1, self.cfg.hc_dim, device=self.device,
-                              dtype=dtype) if pool.prefix_cache else None)
-        self.prefill = Prefiller(self.models, self.state, sampling, self.stats, self.scheduler,
-                                 self.tp, self.engine_id, self.num_steps, penalties, hidden)
+        # by prefix-cache snapshot, the target's hidden state before its boundary
+        hidden = (torch.zeros(setup.layout.snapshots + 1, self.cfg.hc_dim, device=self.device,
+                              dtype=self.state.seed.dtype) if pool.prefix_cache else None)
+        self.prefill = Prefiller(self.models, self.state, decode.sampling, self.stats,
+                                 self.scheduler, self.tp, self.engine_id, self.num_steps,
+                                 decode.penalties, hidden)
         self.rounds = RoundDriver(self.chunks, self.stats, self.scheduler, self.tp,
-                                  self.engine_id, overlap=overlap)
-        self.request_limits = RequestLimits(self.cfg, self.max_context, self.lookahead,
-                                            self.max_logprobs, self.samples, self.penalizes)
+                                  self.engine_id, overlap=setup.overlap)
+
+    def _limits(self, setup: EngineSetup) -> RequestLimits:
+        """What a request may ask: its context is bounded by the pool's pages too (all
+        of them, at most), so ``max_context`` is what ``add_request`` accepts."""
+        pages = self.models.target_pool.pages  # None: nothing paged (no compressed layer)
+        g = setup.graph
+        return RequestLimits.of(self.cfg, setup.pool.max_context,
+                                pages=pages.num_pages if pages is not None else 0,
+                                page_size=setup.pool.page_size, lookahead=setup.lookahead,
+                                max_logprobs=g.logprobs, samples=g.sampling,
+                                penalizes=g.penalties)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, progress: bool = False) -> "SpecEngine":

@@ -17,8 +17,8 @@ from ..memory.pool import PoolLayout
 from ..model import DeepseekV4ForCausalLM
 from ..penalties import penalize
 from ..sampling import RowParams, SamplingParams, sampling_per_prompt, with_bans
-from .request_checks import (show_typed, validate_max_new_tokens, validate_prompts,
-                             validate_stop_ids)
+from .request_checks import (RequestLimits, show_typed, validate_max_new_tokens,
+                             validate_prompts, validate_stop_ids)
 
 
 @dataclass
@@ -50,9 +50,10 @@ def _prepare(target: DeepseekV4ForCausalLM, prompts, max_new_tokens: int,
     elif not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
         raise InputError(f"{mode}: max_context must be an int of at least 1, got "
                          f"{show_typed(max_context)}", field="max_context")
-    prompts = validate_prompts(prompts, cfg, max_context, max_new_tokens)
+    limits = RequestLimits.of(cfg, max_context)
+    prompts = validate_prompts(prompts, limits, max_new_tokens)
     max_new_tokens = validate_max_new_tokens(max_new_tokens, mode)
-    return prompts, validate_stop_ids(stop_ids, cfg, mode), max_context, max_new_tokens
+    return prompts, validate_stop_ids(stop_ids, limits, mode), max_context, max_new_tokens
 
 
 def _params(sampling: object, n: int, stop_ids: frozenset[int]) -> list[SamplingParams]:

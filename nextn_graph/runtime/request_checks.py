@@ -52,18 +52,54 @@ def _elements(prompt: object, where: str) -> list:
     return list(prompt)
 
 
-def _token_ids(values, cfg: ModelConfig, where: str, what: str, field: str) -> list[int]:
+def _token_ids(values, vocab_size: int, where: str, what: str, field: str) -> list[int]:
     ids = []
     for value in values:
         tok = _as_int(value)
         if tok is None:
             raise InputError(f"{where}: {what} {show_typed(value)} is not an integer",
                              field=field)
-        if not 0 <= tok < cfg.vocab_size:
+        if not 0 <= tok < vocab_size:
             raise InputError(f"{where}: {what} {tok} is outside the vocabulary "
-                             f"[0, {cfg.vocab_size})", field=field)
+                             f"[0, {vocab_size})", field=field)
         ids.append(tok)
     return ids
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: made once by the engine (``of``), the same
+    object the server's front checks requests with (plain fields: it crosses the engine
+    process's pipe)."""
+
+    vocab_size: int
+    eos_token_id: int  # the default stop
+    # positions per request: pool.max_context, capped by the model's
+    # max_position_embeddings and by what the pool's pages hold
+    max_context: int
+    bound: str  # what sets max_context, as a refusal names it
+    lookahead: int = 0  # positions verify windows write past the last output
+    max_logprobs: int = 0  # top logprobs a request may ask per token (graph.logprobs)
+    samples: bool = False  # temperature > 0 is taken (graph.sampling)
+    penalizes: bool = False  # penalties, logit_bias and min_tokens are taken (graph.penalties)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, max_context: int, *, pages: int = 0, page_size: int = 0,
+           lookahead: int = 0, max_logprobs: int = 0, samples: bool = False,
+           penalizes: bool = False) -> "RequestLimits":
+        """``max_context`` capped by the model's ``max_position_embeddings`` and by what
+        ``pages`` pages of ``page_size`` positions hold (0 pages: no such cap); the
+        bound that binds is named (a tie: the first, the maximum context)."""
+        mpe = cfg.max_position_embeddings
+        bounds = [(max_context, f"the maximum context {max_context}"),
+                  (mpe, f"the model's max_position_embeddings {mpe}")]
+        if pages:
+            held = pages * page_size
+            bounds.append((held, f"the maximum context {held} (the pool's pages: "
+                                 f"pool.num_pages {pages} x page_size {page_size})"))
+        limit, bound = min(bounds, key=lambda b: b[0])
+        return cls(cfg.vocab_size, cfg.eos_token_id, limit, bound, lookahead, max_logprobs,
+                   samples, penalizes)
 
 
 def output_room(prompt_len: int, max_context: int, lookahead: int) -> int:
@@ -84,46 +120,45 @@ def validate_max_new_tokens(max_new_tokens: object, where: str) -> int:
     return value
 
 
-def validate_prompt(prompt: Sequence[int], cfg: ModelConfig, max_context: int,
-                    max_new_tokens: int, where: str, lookahead: int = 0) -> list[int]:
-    """-> the prompt as a list of int. The context is at most ``max_context`` and never
-    past ``max_position_embeddings``; too long for it is the ``prompt``'s fault when it
-    leaves no room for any output, else ``max_new_tokens``'s."""
+def validate_prompt(prompt: Sequence[int], limits: RequestLimits, max_new_tokens: int,
+                    where: str) -> list[int]:
+    """-> the prompt as a list of int. Too long for ``limits.max_context`` is the
+    ``prompt``'s fault when it leaves no room for any output, else ``max_new_tokens``'s."""
     max_new_tokens = validate_max_new_tokens(max_new_tokens, where)
     values = _elements(prompt, where)
     if not values:
         raise InputError(f"{where}: empty prompt", field="prompt")
-    ids = _token_ids(values, cfg, where, "token id", "prompt")
-    room = output_room(len(ids), min(max_context, cfg.max_position_embeddings), lookahead)
+    ids = _token_ids(values, limits.vocab_size, where, "token id", "prompt")
+    room = output_room(len(ids), limits.max_context, limits.lookahead)
     if max_new_tokens > room:
-        extra = f" + {lookahead} positions of verify lookahead" if lookahead else ""
-        bound = (f"the maximum context {max_context}" if max_context <= cfg.max_position_embeddings
-                 else f"the model's max_position_embeddings {cfg.max_position_embeddings}")
+        la = limits.lookahead
+        extra = f" + {la} positions of verify lookahead" if la else ""
         raise InputError(f"{where}: prompt of {len(ids)} tokens + max_new_tokens "
-                         f"{max_new_tokens}{extra} exceeds {bound}",
+                         f"{max_new_tokens}{extra} exceeds {limits.bound}",
                          field="prompt" if room < 1 else "max_new_tokens")
     return ids
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_context: int,
-                     max_new_tokens: int, lookahead: int = 0) -> list[list[int]]:
+def validate_prompts(prompts: Sequence[Sequence[int]], limits: RequestLimits,
+                     max_new_tokens: int) -> list[list[int]]:
     if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(
             prompts, (Sequence, torch.Tensor, np.ndarray)):
         raise InputError(f"prompts must be a list of prompts, got {show_typed(prompts)}",
                          field="prompts")
-    return [validate_prompt(p, cfg, max_context, max_new_tokens, f"request {i}", lookahead)
+    return [validate_prompt(p, limits, max_new_tokens, f"request {i}")
             for i, p in enumerate(prompts)]
 
 
-def validate_stop_ids(stop_ids: Collection[int] | None, cfg: ModelConfig,
+def validate_stop_ids(stop_ids: Collection[int] | None, limits: RequestLimits,
                       where: str) -> frozenset[int]:
     """None stops at EOS."""
     if stop_ids is None:
-        return frozenset({cfg.eos_token_id})
+        return frozenset({limits.eos_token_id})
     if not isinstance(stop_ids, (list, tuple, set, frozenset)):
         raise InputError(f"{where}: stop_ids must be a list, tuple, set or frozenset of "
                          f"token ids, got {show_typed(stop_ids)}", field="stop_ids")
-    return frozenset(_token_ids(stop_ids, cfg, where, "stop token id", "stop_ids"))
+    return frozenset(_token_ids(stop_ids, limits.vocab_size, where, "stop token id",
+                                "stop_ids"))
 
 
 def validate_logprobs(value: object, limit: int, where: str, name: str) -> int | None:
@@ -144,16 +179,6 @@ def penalty_field(params: SamplingParams) -> str | None:
     return next((k for k in PENALTY_KEYS if getattr(params, k) != getattr(NEUTRAL, k)), None)
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    cfg: ModelConfig  # vocab_size, eos_token_id (the default stop), max_position_embeddings
-    max_context: int  # positions per request (pool.max_context)
-    lookahead: int = 0  # positions verify windows write past the last output
-    max_logprobs: int = 0  # top logprobs a request may ask per token (graph.logprobs)
-    samples: bool = False  # temperature > 0 is taken (graph.sampling)
-    penalizes: bool = False  # penalties, logit_bias and min_tokens are taken (graph.penalties)
-
-
 def checked_sampling(sampling: object, stops: frozenset[int], limits: RequestLimits,
                      where: str) -> SamplingParams:
     """Resolved, with the stop ids min_tokens holds back (``ban_ids``)."""
@@ -165,10 +190,10 @@ def checked_sampling(sampling: object, stops: frozenset[int], limits: RequestLim
     if params.penalized and not limits.penalizes:
         raise InputError(f"{where}: penalties, logit_bias or min_tokens need an engine "
                          f"built with graph.penalties: true", field=penalty_field(params))
-    bad = [t for t, _ in params.logit_bias if t >= limits.cfg.vocab_size]
+    bad = [t for t, _ in params.logit_bias if t >= limits.vocab_size]
     if bad:
         raise InputError(f"{where}: logit_bias token id {bad[0]} is outside the "
-                         f"vocabulary [0, {limits.cfg.vocab_size})", field="logit_bias")
+                         f"vocabulary [0, {limits.vocab_size})", field="logit_bias")
     return params
 
 
@@ -183,9 +208,8 @@ class NewRequest:
 
     def checked(self, limits: RequestLimits, where: str) -> "NewRequest":
         max_new_tokens = validate_max_new_tokens(self.max_new_tokens, where)
-        prompt = validate_prompt(self.prompt, limits.cfg, limits.max_context, max_new_tokens,
-                                 where, limits.lookahead)
-        stops = validate_stop_ids(self.stop_ids, limits.cfg, where)
+        prompt = validate_prompt(self.prompt, limits, max_new_tokens, where)
+        stops = validate_stop_ids(self.stop_ids, limits, where)
         return NewRequest(
             prompt, max_new_tokens, stops, checked_sampling(self.sampling, stops, limits, where),
             validate_logprobs(self.logprobs, limits.max_logprobs, where, "logprobs"),
@@ -197,8 +221,8 @@ def checked_batch(prompts: Sequence[Sequence[int]], max_new_tokens: object,
                   stop_ids: object, sampling: object,
                   limits: RequestLimits) -> list[NewRequest]:
     """Every request checked before any is queued; seeds resolved here, once."""
-    validate_prompts(prompts, limits.cfg, limits.max_context, max_new_tokens, limits.lookahead)
-    validate_stop_ids(stop_ids, limits.cfg, "generate")
+    validate_prompts(prompts, limits, max_new_tokens)
+    validate_stop_ids(stop_ids, limits, "generate")
     return [NewRequest(p, max_new_tokens, stop_ids, s).checked(limits, f"request {i}")
             for i, (p, s) in enumerate(zip(prompts, sampling_per_prompt(sampling,
                                                                         len(prompts))))]

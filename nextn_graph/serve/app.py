@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from .build import EngineFacts
+from ..runtime.request_checks import RequestLimits
 from .errors import APIError
 from .fields import CHAT, COMPLETIONS
 from .limits import Admission, ServeSettings, check_api_key, read_json
@@ -40,7 +40,7 @@ class ServerState:
     """Everything one app instance owns (no module globals)."""
 
     def __init__(self, settings: ServeSettings, host: Host,
-                 describe: Callable[[EngineFacts], ModelInfo], rows: int, on_failed):
+                 describe: Callable[[RequestLimits], ModelInfo], rows: int, on_failed):
         self.settings = settings
         self.metrics = ServeMetrics()
         self.worker = EngineWorker(host, describe, self.metrics, on_failed)
@@ -88,10 +88,10 @@ def _error(exc: APIError) -> JSONResponse:
 
 
 def create_app(settings: ServeSettings, host: Host,
-               describe: Callable[[EngineFacts], ModelInfo], rows: int,
+               describe: Callable[[RequestLimits], ModelInfo], rows: int,
                on_failed: Callable[[], None] = lambda: None) -> FastAPI:
     """``host`` builds and runs the engine (``engine_host``); ``describe`` makes the
-    served ``ModelInfo`` of its facts; ``rows``: its pool's rows; ``on_failed`` runs (on
+    served ``ModelInfo`` of its limits; ``rows``: its pool's rows; ``on_failed`` runs (on
     the host's thread) when the engine could not start."""
     state = ServerState(settings, host, describe, rows, on_failed)
 
@@ -140,7 +140,7 @@ def create_app(settings: ServeSettings, host: Host,
         info = state.info()
         return {"object": "list", "data": [{"id": info.name, "object": "model", "created": 0,
                                             "owned_by": "nextn_graph",
-                                            "max_model_len": info.max_context}]}
+                                            "max_model_len": info.limits.max_context}]}
 
     @app.post("/v1/completions", openapi_extra=openapi_body(
         object_schema(COMPLETIONS, COMPLETION_TYPES, ("prompt",))))

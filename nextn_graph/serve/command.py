@@ -100,7 +100,7 @@ def make_server(cfg: RunConfig, settings: ServeSettings, log_level: str = "info"
         holder[0].should_exit = True
 
     app = create_app(settings, engine_host(cfg, settings, log_level, plain, prepare, group),
-                     lambda facts: describe(cfg, settings.model_name, facts),
+                     lambda limits: describe(cfg, settings.model_name, limits),
                      cfg.pool.max_requests, on_failed=stop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_level=log_level,

@@ -3,7 +3,7 @@
 
 Either host builds the engine off the asyncio loop, after the server listens (``/health``
 is 503 until capture is done), runs the same ``EngineLoop``, and hands what it publishes
-to the ``EngineWorker``: ``ready(facts)``, ``build_failed(reason)``, ``publish(report)``
+to the ``EngineWorker``: ``ready(limits)`` (the engine's ``RequestLimits``), ``build_failed(reason)``, ``publish(report)``
 once per turn, ``ended(reason)`` when the engine ends on its own.
 
 ``ProcessHost``: a ``spawn``ed process owns the device. Commands go down one pipe (a
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Callable
 
 from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
-from .build import EngineFacts
 from .engine_process import EXIT_WAIT_S, EngineSpec, Inbox, engine_main, reason, shutdown
 from .loop import EngineLoop
 
@@ -49,7 +48,7 @@ class ThreadHost:
     the loop pings the followers while idle and shuts them down once it ends. Closing
     the group is the caller's, once the host stopped."""
 
-    def __init__(self, build: Callable[[], tuple[SpecEngine, EngineFacts]],
+    def __init__(self, build: Callable[[], SpecEngine],
                  prepare: Callable[[SpecEngine], None] | None = None,
                  group: TPGroup | None = None):
         self._build, self._prepare = build, prepare
@@ -65,12 +64,12 @@ class ThreadHost:
 
     def _run(self, worker: "EngineWorker") -> None:
         try:
-            self.engine, facts = self._build()
+            self.engine = self._build()
             if self._prepare is not None:
                 self._prepare(self.engine)
         except Exception as exc:
             return worker.build_failed(reason(exc))
-        if not worker.ready(facts):
+        if not worker.ready(self.engine.request_limits):
             return
         try:
             EngineLoop(self.engine, self._commands, worker.publish).run()

@@ -139,14 +139,14 @@ def _build(spec: EngineSpec, reports, followers: Followers | None):
                          name="nextn-build-watch", daemon=True).start()
     try:
         group = followers.join() if followers is not None else TPGroup.single()
-        engine, facts = build_engine(spec.cfg, spec.plain, group)
+        engine = build_engine(spec.cfg, spec.plain, group)
         if spec.prepare is not None:
             spec.prepare(engine)
     except Exception as exc:
         dead = followers.dead() if followers is not None else None
         settle(("failed", f"{dead}; rank 0: {reason(exc)}" if dead else reason(exc)))
         return None
-    return (engine, group) if settle(("ready", facts)) else None
+    return (engine, group) if settle(("ready", engine.request_limits)) else None
 
 
 def _watch_build(followers: Followers, settled: threading.Event, settle) -> None:

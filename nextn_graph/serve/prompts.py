@@ -25,10 +25,10 @@ def checked_ids(value: list, info: "ModelInfo", param: str, where: str | None = 
     """``value``'s token ids, each in the vocabulary; ``where`` names it in the message
     (``prompt[2]``), ``param`` is the field."""
     bad_ids = [t for t in value if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < info.vocab_size]
+               or not 0 <= t < info.limits.vocab_size]
     if bad_ids:
         raise bad(f"{where or param}: token id {show_value(bad_ids[0])} is not an integer in "
-                  f"[0, {info.vocab_size})", param)
+                  f"[0, {info.limits.vocab_size})", param)
     return list(value)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..checkpoint.tokenizer import CheckpointTokenizer
 from ..errors import InputError, show_value
 from ..penalties import PENALTY_KEYS
-from ..runtime.request_checks import output_room, penalty_field
+from ..runtime.request_checks import RequestLimits, output_room, penalty_field
 from ..sampling import SEED_LIMIT, SamplingParams, request_seed, with_bans
 from .chat import ChatTemplate
 from .errors import APIError
@@ -46,18 +46,13 @@ WHERE = "sampling"  # the prefix of the sampling checks' messages, cut off here
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the server knows of the served model once the engine is built."""
+    """What the server knows of the served model once the engine is built: the engine's
+    own limits, and what the front adds."""
 
     name: str  # the model id clients pass and /v1/models lists
-    vocab_size: int
-    eos_token_id: int
-    max_context: int  # positions per request: min(pool.max_context, max_position_embeddings)
-    lookahead: int  # positions a request's verify windows write past its output
-    samples: bool  # the engine takes temperature > 0 (graph.sampling)
+    limits: RequestLimits  # the engine's: what its add_request accepts
     tokenizer: CheckpointTokenizer | None
     chat: ChatTemplate | None
-    max_logprobs: int = 0  # alternatives per token a request may ask (graph.logprobs)
-    penalties: bool = False  # the engine applies penalties (graph.penalties)
 
 
 @dataclass(frozen=True)
@@ -153,7 +148,8 @@ def _top_k(body: dict, info: ModelInfo) -> int:
 def _sampling(body: dict, info: ModelInfo, max_tokens: int,
               stop_ids: frozenset[int]) -> SamplingParams:
     # OpenAI's default temperature is 1; an engine built greedy-only decodes greedily
-    default_t = 1.0 if info.samples else 0.0
+    limits = info.limits
+    default_t = 1.0 if limits.samples else 0.0
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
         raise _bad(f"logit_bias must map token ids to biases, got {show_value(bias)}",
@@ -170,21 +166,21 @@ def _sampling(body: dict, info: ModelInfo, max_tokens: int,
         params = params.checked(WHERE)
     except InputError as exc:
         raise _refusal(exc) from None
-    if not params.greedy and not info.samples:
+    if not params.greedy and not limits.samples:
         raise _bad("temperature > 0 samples, but this server's engine is greedy-only "
                    "(graph.sampling: false)", "temperature")
     try:  # (the stop ids min_tokens holds back, as the engine sets them)
         banned = with_bans(params, stop_ids, WHERE)
     except InputError as exc:
         raise _refusal(exc) from None
-    if banned.penalized and not info.penalties:
+    if banned.penalized and not limits.penalizes:
         name = penalty_field(banned)
         raise _bad(f"{name}: this server applies no penalties (start it without "
                    f"--no-penalties)", name)
-    far = [t for t, _ in params.logit_bias if t >= info.vocab_size]
+    far = [t for t, _ in params.logit_bias if t >= limits.vocab_size]
     if far:
         raise _bad(f"logit_bias: token id {far[0]} is outside the vocabulary "
-                   f"[0, {info.vocab_size})", "logit_bias")
+                   f"[0, {limits.vocab_size})", "logit_bias")
     if params.min_tokens > max_tokens:
         raise _bad(f"min_tokens {params.min_tokens} exceeds max_tokens {max_tokens}",
                    "min_tokens")
@@ -197,18 +193,19 @@ def _no_logprobs(key: str) -> APIError:
 
 
 def _k(body: dict, key: str, info: ModelInfo) -> int | None:
-    """A logprobs count: an integer in [0, info.max_logprobs], or None (the engine
-    computes none when it is 0)."""
+    """A logprobs count: an integer in [0, max_logprobs], or None (the engine computes
+    none when it is 0)."""
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise _bad(f"{key} must be an integer >= 0, got {show_value(value)}", key)
-    if info.max_logprobs == 0:
+    limit = info.limits.max_logprobs
+    if limit == 0:
         raise _no_logprobs(key)
-    if value > info.max_logprobs:
+    if value > limit:
         raise _bad(f"{key} {value} is more than this server returns: at most "
-                   f"{info.max_logprobs} (nextn-graph serve --max-logprobs)", key)
+                   f"{limit} (nextn-graph serve --max-logprobs)", key)
     return value
 
 
@@ -222,20 +219,21 @@ def _logprobs(body: dict, info: ModelInfo, chat: bool) -> LogprobAsk:
             raise _bad(f"top_logprobs {show_value(top)} needs logprobs: true",
                        "top_logprobs")
         return LogprobAsk(None, prompt)
-    if info.max_logprobs == 0:
+    if info.limits.max_logprobs == 0:
         raise _no_logprobs("logprobs")
     return LogprobAsk(_k(body, "top_logprobs", info) or 0, prompt)
 
 
 def _prompts(body: dict, info: ModelInfo, chat: bool) -> tuple[list[list[int]], int]:
     """The prompts, and the room each leaves for output (the least of them)."""
+    limits = info.limits
     prompts = [chat_prompt(body, info)] if chat else completion_prompts(body, info)
-    rooms = [output_room(len(p), info.max_context, info.lookahead) for p in prompts]
+    rooms = [output_room(len(p), limits.max_context, limits.lookahead) for p in prompts]
     for i, (prompt, room) in enumerate(zip(prompts, rooms)):
         if room < 1:
             name = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise _bad(f"{name}: the prompt has {len(prompt)} tokens; with {info.lookahead} "
-                       f"positions of verify lookahead the context of {info.max_context} "
+            raise _bad(f"{name}: the prompt has {len(prompt)} tokens; with "
+                       f"{limits.lookahead} positions of verify lookahead, {limits.bound} "
                        f"leaves no room for output", "messages" if chat else "prompt")
     return prompts, min(rooms)
 
@@ -254,9 +252,9 @@ def _max_tokens(body: dict, info: ModelInfo, chat: bool, longest: int, room: int
                    f"needs {need})", key)
     max_tokens = _int(body, key, min(default, room), 0 if echo_only else 1)
     if max_tokens > room:
-        raise _bad(f"{key} {max_tokens} + the prompt's {longest} tokens + {info.lookahead} "
-                   f"positions of verify lookahead exceed the context of {info.max_context} "
-                   f"(at most {room} here)", key)
+        raise _bad(f"{key} {max_tokens} + the prompt's {longest} tokens + "
+                   f"{info.limits.lookahead} positions of verify lookahead exceed "
+                   f"{info.limits.bound}: at most {room} here", key)
     return max_tokens
 
 
@@ -270,7 +268,7 @@ def parse_request(body: object, info: ModelInfo, chat: bool) -> GenRequest:
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list):
         raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-    eos = [] if _flag(body, "ignore_eos") else [info.eos_token_id]
+    eos = [] if _flag(body, "ignore_eos") else [info.limits.eos_token_id]
     stop_ids = frozenset([*eos, *checked_ids(extra, info, "stop_token_ids")])
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

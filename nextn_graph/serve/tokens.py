@@ -65,7 +65,7 @@ def tokenize(body: object, info: ModelInfo) -> dict:
     else:
         raise APIError(400, f"prompt must be a string, got {show_value(body['prompt'])}",
                        param="prompt", code="invalid_value")
-    return {"tokens": ids, "count": len(ids), "max_model_len": info.max_context,
+    return {"tokens": ids, "count": len(ids), "max_model_len": info.limits.max_context,
             "token_strs": None}
 
 

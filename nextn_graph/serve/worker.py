@@ -3,8 +3,8 @@
 
 The asyncio side never calls the engine. It submits a request's jobs (one per choice,
 each with a key), aborts them, drains and stops, through the host. The host hands back
-what the loop publishes: the engine's facts once it is ready (the front makes its
-``ModelInfo`` from them), then one ``Report`` per turn. A report's snapshot feeds the
+what the loop publishes: the engine's ``RequestLimits`` once it is ready (the front makes
+its ``ModelInfo`` of them), then one ``Report`` per turn. A report's snapshot feeds the
 metrics on the thread it arrives on (the engine thread, or the pipe's reader); its
 events reach their jobs on the asyncio loop, in one ``call_soon_threadsafe`` per report.
 The job table is the asyncio loop's alone (no lock).
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .build import EngineFacts
+from ..runtime.request_checks import RequestLimits
 from .loop import Event, Failure, Report, Ticket
 from .metrics import ServeMetrics
 from .protocol import Choice, GenRequest, ModelInfo
@@ -65,7 +65,7 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, host: Host, describe: Callable[[EngineFacts], ModelInfo],
+    def __init__(self, host: Host, describe: Callable[[RequestLimits], ModelInfo],
                  metrics: ServeMetrics, on_failed: Callable[[], None]):
         self.host, self.metrics = host, metrics
         self._describe, self._on_failed = describe, on_failed
@@ -124,11 +124,11 @@ class EngineWorker:
             pass
 
     # -- the host's thread -----------------------------------------------------------
-    def ready(self, facts: EngineFacts) -> bool:
+    def ready(self, limits: RequestLimits) -> bool:
         """The engine is built and captured; False when the front cannot serve it (its
         tokenizer or chat template does not load): the host then stops the engine."""
         try:
-            self.info = self._describe(facts)
+            self.info = self._describe(limits)
         except Exception as exc:
             self.build_failed(f"{type(exc).__name__}: {exc}")
             return False

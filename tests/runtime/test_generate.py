@@ -14,7 +14,7 @@ from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.cli.commands import make_checkpoint
 from nextn_graph.errors import CapacityError, InputError
 from nextn_graph.runtime.generate import plain_generate, reference_generate
-from nextn_graph.runtime.request_checks import validate_prompts
+from nextn_graph.runtime.request_checks import RequestLimits, validate_prompts
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_default_stop_is_eos(target):
 def test_validate_prompts_errors(target, prompts, max_new, needle):
     """Bad prompts raise InputError naming the request and the bad value, in every entry point."""
     with pytest.raises(InputError) as info:
-        validate_prompts(prompts, target.cfg, 32, max_new)
+        validate_prompts(prompts, RequestLimits.of(target.cfg, 32), max_new)
     assert needle in str(info.value)
     for fn in (reference_generate, plain_generate):
         with pytest.raises(InputError) as info:
@@ -124,7 +124,7 @@ def test_validate_prompts_errors(target, prompts, max_new, needle):
 def test_validate_prompts_accepts_exact_fit(target):
     """A prompt that fills the context exactly with its new tokens is accepted unchanged."""
     prompt = list(range(2, 30))  # 28 tokens + 4 new = 32
-    assert validate_prompts([tuple(prompt)], target.cfg, 32, 4) == [prompt]
+    assert validate_prompts([tuple(prompt)], RequestLimits.of(target.cfg, 32), 4) == [prompt]
 
 
 def test_reference_past_max_position_is_named_error(target):
@@ -137,7 +137,8 @@ def test_reference_past_max_position_is_named_error(target):
                            max_context=2 * limit)
     assert str(info.value) == (f"request 1: prompt of {limit - 4} tokens + max_new_tokens 5 "
                                f"exceeds the model's max_position_embeddings {limit}")
-    assert validate_prompts([[7] * (limit - 5)], target.cfg, 2 * limit, 5) == [[7] * (limit - 5)]
+    limits = RequestLimits.of(target.cfg, 2 * limit)
+    assert validate_prompts([[7] * (limit - 5)], limits, 5) == [[7] * (limit - 5)]
     with pytest.raises(CapacityError, match=f"max_context {2 * limit} exceeds the model's "
                                             f"max_position_embeddings {limit}"):
         plain_generate(target, [[5, 6]], 2, max_context=2 * limit)

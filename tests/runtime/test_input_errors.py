@@ -16,8 +16,8 @@ import torch
 from nextn_graph.checkpoint.loader import build_models, resolve_checkpoint
 from nextn_graph.errors import ConfigError, InputError
 from nextn_graph.runtime.generate import plain_generate, reference_generate
-from nextn_graph.runtime.request_checks import (validate_max_new_tokens, validate_prompt,
-                                                validate_stop_ids)
+from nextn_graph.runtime.request_checks import (RequestLimits, validate_max_new_tokens,
+                                                validate_prompt, validate_stop_ids)
 from nextn_graph.model.config import (config_from_dict, load_config, model_bytes,
                                       physical_memory_bytes)
 from nextn_graph.checkpoint.presets import TINY
@@ -216,7 +216,7 @@ def test_shipped_configs_pass_the_size_bound():
 # -- prompts -----------------------------------------------------------------------------
 
 def _check(prompt, max_new_tokens=4):
-    return validate_prompt(prompt, _config(), 64, max_new_tokens, "request 3")
+    return validate_prompt(prompt, RequestLimits.of(_config(), 64), max_new_tokens, "request 3")
 
 
 @pytest.mark.parametrize("prompt, needle", [
@@ -312,9 +312,10 @@ def test_numpy_and_tensor_max_new_tokens_accepted(tiny, value):
 
 def test_stop_ids_default_to_eos_and_convert_integers():
     cfg = _config()
-    assert validate_stop_ids(None, cfg, "request 0") == frozenset({cfg.eos_token_id})
-    assert validate_stop_ids([], cfg, "request 0") == frozenset()
-    stops = validate_stop_ids((np.int64(3), torch.tensor(4), 5, 5), cfg, "request 0")
+    limits = RequestLimits.of(cfg, 64)
+    assert validate_stop_ids(None, limits, "request 0") == frozenset({cfg.eos_token_id})
+    assert validate_stop_ids([], limits, "request 0") == frozenset()
+    stops = validate_stop_ids((np.int64(3), torch.tensor(4), 5, 5), limits, "request 0")
     assert stops == frozenset({3, 4, 5}) and all(type(t) is int for t in stops)
 
 
@@ -329,7 +330,7 @@ def test_stop_ids_default_to_eos_and_convert_integers():
 ])
 def test_bad_stop_ids_refused_naming_request_and_element(stop_ids, needle):
     with pytest.raises(InputError) as info:
-        validate_stop_ids(stop_ids, _config(), "request 7")
+        validate_stop_ids(stop_ids, RequestLimits.of(_config(), 64), "request 7")
     assert str(info.value) == f"request 7: {needle}"
 
 

@@ -87,12 +87,14 @@ def test_paged_pool_on_the_sparse_kernels(trained):
 
 def test_request_larger_than_every_page_is_refused(trained):
     """2 pages of 128 hold 256 positions: a request reaching past them can never be
-    admitted, so add_request refuses it (naming the bound) and queues nothing."""
+    admitted, so add_request refuses it (naming the pages as the bound) and queues
+    nothing."""
     eng = _engine(trained, num_pages=2)
-    with pytest.raises(InputError, match="maximum context 256") as info:
+    with pytest.raises(InputError, match=r"exceeds the maximum context 256 \(the pool's pages: "
+                                         r"pool.num_pages 2 x page_size 128\)$") as info:
         eng.add_request(list(range(2, 202)), 60)
     assert info.value.field == "max_new_tokens"
-    assert eng.num_waiting == 0 and eng.max_context == 256
+    assert eng.num_waiting == 0 and eng.request_limits.max_context == 256
     rid = eng.add_request(list(range(2, 202)), 50)  # 200 + 50 + 2 lookahead <= 256
     while eng.has_work:
         eng.step()

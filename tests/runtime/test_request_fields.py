@@ -86,7 +86,7 @@ def _refusal(eng: SpecEngine, kwargs: dict) -> InputError:
 
 
 def test_each_add_request_refusal_names_its_field(full, bare):
-    room = output_room(0, MAX_CONTEXT, full.lookahead)
+    room = output_room(0, MAX_CONTEXT, full.request_limits.lookahead)
     for kwargs, field in _bad_inputs(full.cfg.vocab_size, room):
         assert _refusal(full, kwargs).field == field, kwargs
     for kwargs, field in BARE_CASES:
@@ -126,8 +126,8 @@ def test_field_survives_pickling():
 
 
 def _info(eng: SpecEngine) -> ModelInfo:
-    return ModelInfo("m", eng.cfg.vocab_size, eng.cfg.eos_token_id, eng.max_context,
-                     eng.lookahead, eng.samples, None, None, eng.max_logprobs, eng.penalizes)
+    """The front's view of ``eng``: its own limits (no tokenizer, no chat template)."""
+    return ModelInfo("m", eng.request_limits, None, None)
 
 
 # (the sampling values the server passes to the runtime's checks as given: its own
@@ -176,8 +176,9 @@ def test_server_and_engine_share_the_room_rule(full):
     """A prompt that leaves one token of room is taken by both; one token longer is
     refused by both, as the prompt's fault."""
     info = _info(full)
-    longest = output_room(0, MAX_CONTEXT, full.lookahead) - 1
-    assert output_room(longest, MAX_CONTEXT, full.lookahead) == 1 and full.lookahead > 0
+    lookahead = full.request_limits.lookahead
+    longest = output_room(0, MAX_CONTEXT, lookahead) - 1
+    assert output_room(longest, MAX_CONTEXT, lookahead) == 1 and lookahead > 0
     for n, fits in ((longest, True), (longest + 1, False)):
         body = {"prompt": [5] * n, "max_tokens": 1}
         if fits:

@@ -247,7 +247,8 @@ def test_penalty_refusals_name_the_field(server):
                          ({"repetition_penalty": 0}, "repetition_penalty"),
                          ({"min_p": 2}, "min_p")]:
         _refused(server, "/v1/completions", {**_base(False), **extra}, param)
-    info = dataclasses.replace(server.state.worker.info, penalties=False)
+    info = server.state.worker.info
+    info = dataclasses.replace(info, limits=dataclasses.replace(info.limits, penalizes=False))
     with pytest.raises(APIError) as exc:
         parse_request({**_base(False), "min_tokens": 1}, info, False)
     assert exc.value.param == "min_tokens" and "no penalties" in exc.value.message
@@ -276,9 +277,9 @@ def test_a_client_gone_mid_body_is_no_server_fault(server, caplog):
 def test_tokenize_and_detokenize(server):
     info = server.state.worker.info
     got = server.http.post("/tokenize", json={"prompt": "Hello, my", "model": "x"}).json()
-    assert got == {"tokens": PROMPT, "count": len(PROMPT), "max_model_len": info.max_context,
+    assert got == {"tokens": PROMPT, "count": len(PROMPT), "max_model_len": MAX_CONTEXT,
                    "token_strs": None}
-    assert info.max_context == MAX_CONTEXT
+    assert info.limits.max_context == MAX_CONTEXT
     chat = server.http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["tokens"] == list(b"user: Hi\nassistant:")  # the chat template's render
     back = server.http.post("/detokenize", json={"tokens": chat["tokens"]}).json()

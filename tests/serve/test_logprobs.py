@@ -8,7 +8,6 @@ module."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import queue
 from collections import Counter
@@ -25,6 +24,7 @@ from nextn_graph.config import load_run_config
 from nextn_graph.errors import InputError
 from nextn_graph.runtime.generate import plain_generate
 from nextn_graph.runtime.request import StepOutput, TokenLogprob
+from nextn_graph.runtime.request_checks import RequestLimits
 from nextn_graph.runtime.tolerance import reference_logits
 from nextn_graph.sampling import request_seed
 from nextn_graph.serve.errors import APIError
@@ -300,7 +300,7 @@ def test_max_tokens_0_needs_room_for_the_hidden_token(server):
     """The engine makes one token for max_tokens 0, so the prompt's room rule is
     unchanged: a prompt leaving room for one token is served, one leaving none is a
     400 naming the prompt."""
-    room = MAX_CONTEXT - server.state.worker.info.lookahead
+    room = MAX_CONTEXT - server.state.worker.info.limits.lookahead
     fits = corpus_prompts(4, [room - 1])[0]
     body = {"prompt": fits, "max_tokens": 0, "echo": True, "logprobs": 0,
             "temperature": 0, "return_token_ids": True}
@@ -485,8 +485,10 @@ def test_refusals_name_the_field(server):
 
 # -- on fakes: no server ----------------------------------------------------------------
 
-def _info(tokenizer, max_logprobs: int = K) -> ModelInfo:
-    return ModelInfo("m", 256, 1, 128, 0, True, tokenizer, None, max_logprobs)
+def _info(tokenizer, max_logprobs: int = K, penalizes: bool = False) -> ModelInfo:
+    limits = RequestLimits(256, 1, 128, "the maximum context 128", 0, max_logprobs, True,
+                           penalizes)
+    return ModelInfo("m", limits, tokenizer, None)
 
 
 @pytest.fixture(scope="module")
@@ -524,7 +526,7 @@ def test_shaping_echo_offsets_and_a_stop_cut(tok):
 
 
 def test_max_tokens_0_with_min_tokens_is_a_400(tok):
-    info = dataclasses.replace(_info(tok), penalties=True)
+    info = _info(tok, penalizes=True)
     with pytest.raises(APIError) as err:
         parse_request({"prompt": "ab", "echo": True, "max_tokens": 0, "min_tokens": 1},
                       info, False)

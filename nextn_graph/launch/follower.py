@@ -1,11 +1,12 @@
 """The loop of every tensor-parallel rank but 0: do what rank 0 decided, until told to stop.
 
 Rank 0 runs the user's program (a server, ``generate``, the bench) and its engines
-send each decision over the group's ``Channel``: build an engine (every rank then
-builds and captures the same one), prefill prompt chunks into rows (and the pages rank 0
-gave them), run a round over
-slots, run a mirrored call (reference decoding), ping (an idle server: rank 0 is
-alive), shut down. A follower never reads tokens back and never decides
+send each decision over the group's ``Channel``, one message each
+(``parallel/messages.py``, dispatched here by ``match``): build an engine (every rank
+then builds and captures the same one), prefill prompt chunks into rows (and the pages
+rank 0 gave them), grow page tables, run a round over slots, run a mirrored call
+(reference decoding), ping (an idle server: rank 0 is alive), shut down. A follower
+never reads tokens back and never decides
 (``follow_prefill``, ``follow_round``): its state follows rank 0's exactly because
 every forward is the same and every collective result is the same on every rank.
 
@@ -22,8 +23,9 @@ import torch
 
 from ..checkpoint.loader import LoadedModel
 from ..errors import ParallelError
-from ..parallel.control import Message
 from ..parallel.group import TPGroup
+from ..parallel.messages import (BuildEngine, GrowTables, MirrorCall, Ping, PrefillChunks,
+                                 RunRound, Shutdown)
 from ..runtime.engine import SpecEngine
 from ..runtime.prefill_work import PrefillWork
 from ..runtime.generate import plain_generate, reference_generate
@@ -44,14 +46,14 @@ MIRRORED: dict[str, Callable] = {
 def mirror(group: TPGroup, models: LoadedModel, name: str, *args, **kwargs):
     """Run ``MIRRORED[name]`` on every rank: rank 0 tells the others, then runs it too."""
     if group.parallel:
-        group.channel.send(Message("call", payload=(name, args, kwargs)))
+        group.channel.send(MirrorCall(name, args, kwargs))
     return MIRRORED[name](models, *args, **kwargs)
 
 
 def shutdown(group: TPGroup) -> None:
     """Rank 0: end the followers' loops (at the end of the program)."""
     if group.parallel and group.is_driver:
-        group.channel.send(Message("shutdown"))
+        group.channel.send(Shutdown())
 
 
 def ping_every_s(group: TPGroup) -> float:
@@ -66,7 +68,7 @@ def ping(group: TPGroup) -> None:
     if not (group.parallel and group.is_driver):
         return
     try:
-        group.channel.send(Message("ping"))
+        group.channel.send(Ping())
     except Exception as exc:
         raise ParallelError(f"tensor parallelism: rank 0 lost its followers "
                             f"({type(exc).__name__}: {str(exc)[:300]})") from exc
@@ -91,16 +93,26 @@ def follow_prefill(engine: SpecEngine, work: PrefillWork) -> None:
 
 
 @torch.no_grad()
-def follow_round(engine: SpecEngine, slots: list[int], lengths: list[int],
-                 sampled: list[bool]) -> None:
+def follow_round(engine: SpecEngine, msg: RunRound) -> None:
     """Rank 0's round, chunk for chunk, without reading anything back."""
+    slots, lengths, sampled = list(msg.slots), list(msg.lengths), msg.sampled
     for part, bucket in engine.chunks.plan(len(slots)):
         engine.chunks.run(slots[part], lengths[part], bucket, read=False,
                           sampled=any(sampled[part]))
 
 
+def build(models: LoadedModel, group: TPGroup, msg: BuildEngine) -> SpecEngine:
+    """Rank 0's engine ``msg.engine``, built here (the same graphs captured)."""
+    engine = SpecEngine(models.target, models.draft, msg.spec, msg.pool, msg.graph,
+                        kernels=msg.kernels)
+    if engine.engine_id != msg.engine:
+        raise ParallelError(f"tensor parallelism: rank {group.rank} built engine "
+                            f"{engine.engine_id}, rank 0 engine {msg.engine}")
+    return engine
+
+
 def serve(models: LoadedModel, group: TPGroup) -> int:
-    """Follow rank 0 until it shuts down -> the number of messages handled."""
+    """Follow rank 0 until it shuts down -> the number of messages handled (pings aside)."""
     engines: dict[int, SpecEngine] = {}
     handled = 0
     while True:
@@ -109,28 +121,23 @@ def serve(models: LoadedModel, group: TPGroup) -> int:
         except Exception as exc:
             raise ParallelError(f"tensor parallelism: rank {group.rank} lost rank 0 "
                                 f"({type(exc).__name__}: {str(exc)[:300]})") from exc
-        if msg.kind == "ping":  # rank 0 is alive, and idle
-            continue
+        match msg:
+            case Ping():  # rank 0 is alive, and idle (not counted)
+                continue
+            case Shutdown():
+                return handled + 1
+            case BuildEngine():
+                engines[msg.engine] = build(models, group, msg)
+            case PrefillChunks(engine=e, work=work):
+                follow_prefill(engines[e], work)
+            case GrowTables(engine=e, rows=rows):  # pages grown before a round: rank 0's
+                for row, pages in rows:
+                    engines[e].models.target_pool.write_table(row, list(pages))
+            case RunRound(engine=e):
+                follow_round(engines[e], msg)
+            case MirrorCall(name=name, args=args, kwargs=kwargs):
+                MIRRORED[name](models, *args, **kwargs)
+            case _:
+                raise ParallelError(f"tensor parallelism: unknown message "
+                                    f"{type(msg).__name__} from rank 0")
         handled += 1
-        if msg.kind == "shutdown":
-            return handled
-        if msg.kind == "build":
-            spec, pool, graph, kernels = msg.payload
-            engine = SpecEngine(models.target, models.draft, spec, pool, graph,
-                                kernels=kernels)
-            if engine.engine_id != msg.engine:
-                raise ParallelError(f"tensor parallelism: rank {group.rank} built engine "
-                                    f"{engine.engine_id}, rank 0 engine {msg.engine}")
-            engines[msg.engine] = engine
-        elif msg.kind == "prefill":
-            follow_prefill(engines[msg.engine], msg.payload)
-        elif msg.kind == "tables":  # pages grown before a round: rank 0's (row, pages)
-            for row, pages in msg.payload:
-                engines[msg.engine].models.target_pool.write_table(row, pages)
-        elif msg.kind == "round":
-            follow_round(engines[msg.engine], *msg.payload)
-        elif msg.kind == "call":
-            name, args, kwargs = msg.payload
-            MIRRORED[name](models, *args, **kwargs)
-        else:
-            raise ParallelError(f"tensor parallelism: unknown message {msg.kind!r}")

@@ -9,8 +9,8 @@ import collections
 
 import torch
 
-from ..parallel.control import Message
 from ..parallel.group import TPGroup
+from ..parallel.messages import GrowTables, RunRound
 from .chunks import ChunkResult, ChunkRunner
 from .request import Request, token_logprobs
 from .scheduler import Scheduler
@@ -81,7 +81,8 @@ class RoundDriver:
             return []
         if grown and self.tp.parallel:  # the followers' page tables, before the round
             try:
-                self.tp.channel.send(Message("tables", self.engine_id, grown))
+                self.tp.channel.send(GrowTables(self.engine_id, tuple(
+                    (row, tuple(pages)) for row, pages in grown)))
             except Exception as exc:
                 self.sched.fail_all(live, exc, "page tables")
                 self.inflight.clear()
@@ -95,8 +96,8 @@ class RoundDriver:
         lengths = [r.committed for r in reqs]  # overlapped: one round behind (no kernel
         if self.tp.parallel:  # takes host lengths then, see config/graph.py)
             try:
-                self.tp.channel.send_round(self.engine_id, slots, lengths,
-                                           [r.samples for r in reqs])
+                self.tp.channel.send(RunRound(self.engine_id, tuple(slots), tuple(lengths),
+                                              tuple(r.samples for r in reqs)))
             except Exception as exc:
                 self.sched.fail_all(reqs, exc, "decode round")
                 self.inflight.clear()

@@ -14,8 +14,8 @@ from ..checkpoint.loader import load_checkpoint
 from ..config import GraphConfig, PoolConfig, RunConfig, SchedulerConfig, SpeculativeConfig
 from ..errors import InputError, ParallelError, RequestFailed
 from ..kernels.select import select_kernels
-from ..parallel.control import Message
 from ..parallel.group import TPGroup
+from ..parallel.messages import BuildEngine
 from .generate import GenerateResult
 from ..model import DeepseekV4ForCausalLM, DeepseekV4ForCausalLMNextN
 from ..model.ops import use_kernels
@@ -74,8 +74,8 @@ class SpecEngine:
                              f"give graph.backend instead")
         self.engine_id = tp.channel.new_engine_id()
         if tp.is_driver:
-            tp.channel.send(Message("build", self.engine_id,
-                                    (setup.spec, setup.pool, setup.graph, kernels)))
+            tp.channel.send(BuildEngine(self.engine_id, setup.spec, setup.pool, setup.graph,
+                                        kernels))
 
     @staticmethod
     def _use_kernels(target: DeepseekV4ForCausalLM, draft: DeepseekV4ForCausalLMNextN,

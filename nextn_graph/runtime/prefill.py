@@ -13,8 +13,8 @@ import dataclasses
 import torch
 
 from ..memory.batch import Chunk
-from ..parallel.control import Message
 from ..parallel.group import TPGroup
+from ..parallel.messages import PrefillChunks
 from ..sampling import RowParams
 from .buffers import RequestState, SamplingTables
 from .models import SpecModels
@@ -96,7 +96,7 @@ class Prefiller:
         """-> (the final chunks' bonus tokens, logprobs by rid; host)."""
         work = self.work(plan)
         if self.tp.parallel:  # the other ranks prefill the same chunks into the same pages
-            self.tp.channel.send(Message("prefill", self.engine_id, work))
+            self.tp.channel.send(PrefillChunks(self.engine_id, work))
         bonus, lp = self.run(work)
         bonus = bonus.tolist() if work.params else []
         rows, _ = logprob_rows(plan)

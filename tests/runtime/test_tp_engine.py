@@ -173,7 +173,7 @@ def run_grow(group: TPGroup):
 
 
 def test_tp2_pages_grow_and_preemptions_equal_tp1():
-    """Rank 0 grows the page tables before a round ("tables" message) and preempts:
+    """Rank 0 grows the page tables before a round (a GrowTables message) and preempts:
     tp = 2 gives tp = 1's tokens."""
     got = spawn(run_grow, 2, (), timeout_s=120)[0]
     want = run_grow(TPGroup.single())

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from lm_eval_check import checkpoint  # noqa: E402  (the same servable copy)
 from nextn_graph.config import load_run_config  # noqa: E402
-from nextn_graph.serve.limits import ServeSettings  # noqa: E402
+from nextn_graph.serve.front.limits import ServeSettings  # noqa: E402
 from nextn_graph.serve.thread import ServerThread  # noqa: E402
 
 

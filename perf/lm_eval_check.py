@@ -36,7 +36,7 @@ from nextn_graph.checkpoint import load_checkpoint  # noqa: E402
 from nextn_graph.checkpoint.loader import resolve_checkpoint  # noqa: E402
 from nextn_graph.checkpoint.tokenizer import load_tokenizer  # noqa: E402
 from nextn_graph.config import load_run_config  # noqa: E402
-from nextn_graph.serve.limits import ServeSettings  # noqa: E402
+from nextn_graph.serve.front.limits import ServeSettings  # noqa: E402
 from nextn_graph.serve.thread import ServerThread  # noqa: E402
 
 MAX_CONTEXT = 256

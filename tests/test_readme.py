@@ -29,8 +29,8 @@ def layout_rows(text: str) -> dict[str, set[str]]:
 def tree_modules() -> dict[str, set[str]]:
     pkg = ROOT / "nextn_graph"
     tree = {}
-    for d in [pkg] + sorted(p for p in pkg.iterdir() if (p / "__init__.py").exists()):
-        name = "nextn_graph/" if d == pkg else f"nextn_graph/{d.name}/"
+    for d in sorted(init.parent for init in pkg.rglob("__init__.py")):  # subpackages too
+        name = "nextn_graph/" if d == pkg else f"nextn_graph/{d.relative_to(pkg).as_posix()}/"
         tree[name] = {f.stem for f in d.glob("*.py") if f.stem not in ("__init__", "__main__")}
     return tree
 

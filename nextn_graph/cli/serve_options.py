@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import KERNEL_MODES
-from ..serve.limits import API_KEY_ENV, ENGINE_HOSTS, ServeSettings
+from ..serve.front.limits import API_KEY_ENV, ENGINE_HOSTS, ServeSettings
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's max_logprobs default
 KERNELS_HELP = ("fused kernels (YAML kernels): auto = the device's, reference = the exact aten "
@@ -166,5 +166,5 @@ def run_serve_command(args: argparse.Namespace, pin_threads) -> int:
     if args.command == "serve":
         from ..serve.command import run_serve
         return run_serve(args)
-    from ..serve.bench_command import run_bench_serve_command
+    from ..serve.bench.command import run_bench_serve_command
     return run_bench_serve_command(args)

@@ -29,10 +29,12 @@ from ..launch.follower import load_and_follow
 from ..launch.ranks import check_world_size, close_group, exit_rank, group_from_env
 from ..parallel.group import TPGroup
 from ..runtime.engine import SpecEngine
-from .app import create_app
-from .build import build_engine, describe
-from .engine_host import EngineSpec, ProcessHost, ThreadHost
-from .limits import API_KEY_ENV, ServeSettings
+from .engine.build import build_engine
+from .engine.hosts import ProcessHost, ThreadHost
+from .engine.process import EngineSpec
+from .front.app import create_app
+from .front.limits import API_KEY_ENV, ServeSettings
+from .front.model_info import describe
 
 
 def serve_config(args: argparse.Namespace) -> RunConfig:

@@ -15,7 +15,7 @@ from ..config import RunConfig
 from ..errors import NextnGraphError
 from ..runtime.engine import SpecEngine
 from .command import make_server
-from .limits import ServeSettings
+from .front.limits import ServeSettings
 
 
 class ServerThread:

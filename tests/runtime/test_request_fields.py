@@ -15,8 +15,9 @@ from nextn_graph.penalties import MAX_BAN_IDS
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.request_checks import NewRequest, output_room
 from nextn_graph.sampling import SamplingParams
-from nextn_graph.serve.errors import APIError
-from nextn_graph.serve.protocol import ModelInfo, parse_request
+from nextn_graph.serve.front.errors import APIError
+from nextn_graph.serve.front.model_info import ModelInfo
+from nextn_graph.serve.front.protocol import parse_request
 
 MAX_CONTEXT = 64
 K = 2  # graph.logprobs of the full engine

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 import nextn_graph
 from nextn_graph.config import load_run_config
 from nextn_graph.errors import InputError
-from nextn_graph.serve.fields import CHAT, COMPLETIONS
-from nextn_graph.serve.limits import ServeSettings
-from nextn_graph.serve.protocol import parse_request
+from nextn_graph.serve.front.fields import CHAT, COMPLETIONS
+from nextn_graph.serve.front.limits import ServeSettings
+from nextn_graph.serve.front.protocol import parse_request
+from nextn_graph.serve.front.tokens import DETOKENIZE, TOKENIZE
 from nextn_graph.serve.thread import ServerThread
-from nextn_graph.serve.tokens import DETOKENIZE, TOKENIZE
 
 from schema_fuzz import edge_cases, from_schema, mutated
 from serve_support import chat_checkpoint, metric, scrape
@@ -111,8 +111,8 @@ def test_top_k_past_the_vocabulary_is_off(server):
     info = server.state.worker.info
     base = {**BASES["/v1/completions"], "temperature": 0.7, "seed": 3}
     off = parse_request({**base, "top_k": 0}, info, False)
-    assert parse_request({**base, "top_k": info.vocab_size - 1}, info, False) != off
-    for k in (info.vocab_size, *INT64_PAST):
+    assert parse_request({**base, "top_k": info.limits.vocab_size - 1}, info, False) != off
+    for k in (info.limits.vocab_size, *INT64_PAST):
         assert parse_request({**base, "top_k": k}, info, False) == off
     before = scrape(server.url)
     r = _send(server, "/v1/completions", {**base, "top_k": 2**63, "return_token_ids": True})

@@ -12,7 +12,7 @@ import pytest
 
 from nextn_graph.checkpoint.loader import resolve_checkpoint
 from nextn_graph.checkpoint.tokenizer import load_tokenizer
-from nextn_graph.serve.detokenize import TextStream
+from nextn_graph.serve.front.detokenize import TextStream
 
 # 2- to 4-byte characters, ASCII, and the special ids 0 (<bos>) and 1 (<eos>)
 TEXT = "héllo wörld, naïve €5 — 日本語 𝄞 ok. "

@@ -20,8 +20,8 @@ import pytest
 from nextn_graph.checkpoint.loader import load_checkpoint
 from nextn_graph.config import load_run_config
 from nextn_graph.runtime.generate import plain_generate
-from nextn_graph.serve.engine_host import ProcessHost
-from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.engine.hosts import ProcessHost
+from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
 from serve_support import FAULT, fault_a_shared_round, metric, scrape, wait_idle

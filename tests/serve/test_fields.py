@@ -18,12 +18,12 @@ from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import load_run_config
 from nextn_graph.runtime.generate import plain_generate, reference_generate
 from nextn_graph.sampling import SamplingParams
-from nextn_graph.serve.errors import APIError
-from nextn_graph.serve.fields import CHAT, COMPLETIONS, HONOURED, METADATA, REFUSED
-from nextn_graph.serve.limits import ServeSettings
-from nextn_graph.serve.protocol import parse_request
+from nextn_graph.serve.front.errors import APIError
+from nextn_graph.serve.front.fields import CHAT, COMPLETIONS, HONOURED, METADATA, REFUSED
+from nextn_graph.serve.front.limits import ServeSettings
+from nextn_graph.serve.front.protocol import parse_request
+from nextn_graph.serve.front.tokens import detokenize, tokenize
 from nextn_graph.serve.thread import ServerThread
-from nextn_graph.serve.tokens import detokenize, tokenize
 
 from serve_support import chat_checkpoint
 

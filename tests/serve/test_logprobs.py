@@ -27,16 +27,18 @@ from nextn_graph.runtime.request import StepOutput, TokenLogprob
 from nextn_graph.runtime.request_checks import RequestLimits
 from nextn_graph.runtime.tolerance import reference_logits
 from nextn_graph.sampling import request_seed
-from nextn_graph.serve.errors import APIError
-from nextn_graph.serve.limits import Admission, ServeSettings
-from nextn_graph.serve.logprobs import TokenNames
-from nextn_graph.serve.metrics import ServeMetrics
-from nextn_graph.serve.protocol import ModelInfo, parse_request
-from nextn_graph.serve.responses import Shaper
-from nextn_graph.serve.session import Piece, Session
+from nextn_graph.serve.engine.loop import EngineLoop
+from nextn_graph.serve.front.errors import APIError
+from nextn_graph.serve.front.limits import Admission, ServeSettings
+from nextn_graph.serve.front.logprobs import TokenNames
+from nextn_graph.serve.front.metrics import ServeMetrics
+from nextn_graph.serve.front.model_info import ModelInfo
+from nextn_graph.serve.front.protocol import parse_request
+from nextn_graph.serve.front.responses import Shaper
+from nextn_graph.serve.front.session import Piece, Session
+from nextn_graph.serve.front.worker import Job
+from nextn_graph.serve.messages import Failure, JobEvent
 from nextn_graph.serve.thread import ServerThread
-from nextn_graph.serve.loop import EngineLoop, Failure
-from nextn_graph.serve.worker import Job
 
 from helpers import corpus_prompts
 from serve_support import chat_checkpoint, wait_idle
@@ -628,4 +630,4 @@ def test_a_request_s_choices_are_admitted_all_or_none(tok):
     loop = EngineLoop(engine, queue.SimpleQueue(), lambda report: None)
     loop._add([job.ticket() for job in jobs])
     assert engine.aborted == [0, 1] and not loop._rids and not loop._keys
-    assert loop._events == [(12, Failure(400, "refused", "max_tokens"))]  # the API's name
+    assert loop._events == [JobEvent(12, Failure(400, "refused", "max_tokens"))]  # API's name

@@ -10,9 +10,9 @@ import pytest
 
 from nextn_graph.cli import main
 from nextn_graph.config import load_run_config
-from nextn_graph.serve.bench import Load
-from nextn_graph.serve.bench_command import (engines_of, make_jobs, prefix_summary,
+from nextn_graph.serve.bench.command import (engines_of, make_jobs, prefix_summary,
                                              run_bench_serve)
+from nextn_graph.serve.bench.load import Load
 
 
 def test_bench_serve_small_load(tmp_path):

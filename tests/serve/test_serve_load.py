@@ -15,7 +15,7 @@ import openai
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import load_run_config
 from nextn_graph.runtime.generate import plain_generate
-from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
 from helpers import corpus_prompts

@@ -12,7 +12,7 @@ from nextn_graph.cli.commands import build_parser
 from nextn_graph.config import load_run_config
 from nextn_graph.runtime.generate import plain_generate
 from nextn_graph.serve.command import serve_config
-from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
 from helpers import corpus_prompts

@@ -27,8 +27,8 @@ from nextn_graph.errors import ConfigError
 from nextn_graph.launch.ranks import free_port
 from nextn_graph.runtime.generate import reference_generate
 from nextn_graph.serve.command import make_server, serve_config
-from nextn_graph.serve.engine_host import ProcessHost
-from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.engine.hosts import ProcessHost
+from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
 REPO = Path(__file__).resolve().parents[2]

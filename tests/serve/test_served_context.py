@@ -19,7 +19,7 @@ from nextn_graph.config import load_run_config
 from nextn_graph.errors import InputError
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.request_checks import output_room
-from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
 from serve_support import chat_checkpoint

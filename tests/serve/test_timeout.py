@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from nextn_graph.config import load_run_config
-from nextn_graph.serve.limits import ServeSettings
+from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
 from serve_support import metric, scrape, wait_idle

@@ -15,7 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from ..checkpoint.tokenizer import CheckpointTokenizer
+from ...checkpoint.tokenizer import CheckpointTokenizer
 from .logprobs import Offsets, TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import GenRequest
 from .session import Piece

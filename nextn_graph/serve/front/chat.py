@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import CheckpointError, show_value
+from ...errors import CheckpointError, show_value
 from .errors import APIError
 
 CONFIG_FILE = "tokenizer_config.json"

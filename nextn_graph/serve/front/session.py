@@ -17,13 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from ..checkpoint.tokenizer import CheckpointTokenizer
-from ..runtime.request import StepOutput, TokenLogprob
+from ...checkpoint.tokenizer import CheckpointTokenizer
+from ...runtime.request import StepOutput, TokenLogprob
+from ..messages import Failure
 from .detokenize import TextStream
 from .errors import APIError
 from .metrics import ServeMetrics
 from .protocol import GenRequest
-from .worker import EngineWorker, Failure, Job
+from .worker import EngineWorker, Job
 
 DISCONNECT_POLL_S = 0.25  # a non-streamed request checks its client this often
 

@@ -21,15 +21,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..checkpoint.tokenizer import CheckpointTokenizer
-from ..errors import InputError, show_value
-from ..penalties import PENALTY_KEYS
-from ..runtime.request_checks import RequestLimits, output_room, penalty_field
-from ..sampling import SEED_LIMIT, SamplingParams, request_seed, with_bans
-from .chat import ChatTemplate
+from ...errors import InputError, show_value
+from ...penalties import PENALTY_KEYS
+from ...runtime.request_checks import output_room, penalty_field
+from ...sampling import SEED_LIMIT, SamplingParams, request_seed, with_bans
 from .errors import APIError
 from .errors import bad_value as _bad
 from .fields import check_fields
+from .model_info import ModelInfo
 from .prompts import chat_prompt, checked_ids, completion_prompts
 from .values import flag as _flag
 from .values import integer as _int
@@ -42,17 +41,6 @@ MAX_N = 16  # choices per prompt (each is an engine request; more queue)
 # the sampling checks' InputError.field values: each is the OpenAI parameter's name
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", *PENALTY_KEYS)
 WHERE = "sampling"  # the prefix of the sampling checks' messages, cut off here
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the server knows of the served model once the engine is built: the engine's
-    own limits, and what the front adds."""
-
-    name: str  # the model id clients pass and /v1/models lists
-    limits: RequestLimits  # the engine's: what its add_request accepts
-    tokenizer: CheckpointTokenizer | None
-    chat: ChatTemplate | None
 
 
 @dataclass(frozen=True)
@@ -142,7 +130,7 @@ def _top_k(body: dict, info: ModelInfo) -> int:
     vocab_size filters nothing), so a k of any size is taken and none reaches the
     engine's int64 tensors out of range."""
     k = _int(body, "top_k", 0, -1)
-    return 0 if k < 0 or k >= info.vocab_size else k
+    return 0 if k < 0 or k >= info.limits.vocab_size else k
 
 
 def _sampling(body: dict, info: ModelInfo, max_tokens: int,

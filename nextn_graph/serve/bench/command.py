@@ -29,17 +29,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..checkpoint.corpus import corpus  # noqa: E402
-from ..checkpoint.loader import resolve_checkpoint  # noqa: E402
-from ..config import RunConfig, load_run_config  # noqa: E402
-from ..errors import InputError  # noqa: E402
-from ..machine import run_stamp  # noqa: E402
-from ..model.config import load_config  # noqa: E402
-from .bench import MAX_REQUESTS, Job, Load, run_load  # noqa: E402
-from . import bench_prefix  # noqa: E402
-from .bench_prefix import CACHES, prefix_summary, with_cache  # noqa: E402
-from .limits import ENGINE_HOSTS, ServeSettings  # noqa: E402
-from .thread import ServerThread  # noqa: E402
+from ...checkpoint.corpus import corpus  # noqa: E402
+from ...checkpoint.loader import resolve_checkpoint  # noqa: E402
+from ...config import RunConfig, load_run_config  # noqa: E402
+from ...errors import InputError  # noqa: E402
+from ...machine import run_stamp  # noqa: E402
+from ...model.config import load_config  # noqa: E402
+from ..front.limits import ENGINE_HOSTS, ServeSettings  # noqa: E402
+from ..thread import ServerThread  # noqa: E402
+from . import prefix as prefix_bench  # noqa: E402
+from .load import MAX_REQUESTS, Job, Load, run_load  # noqa: E402
+from .prefix import CACHES, prefix_summary, with_cache  # noqa: E402
 
 PROMPT_LENGTHS = (8, 16, 32, 64)  # mixed prompts, in the trained corpus' distribution
 OUTPUT_LENGTHS = (16, 32, 64)
@@ -82,7 +82,7 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
     times on every server in turn (a machine's drifting load hits all alike), and the
     repeat with the median throughput stands for it. The load's client runs in a process
     of its own, so this process holds the servers' HTTP sides (and the thread servers'
-    engines) alone. ``shared_prefix``: the prefix cache on and off (``bench_prefix.py``),
+    engines) alone. ``shared_prefix``: the prefix cache on and off (``prefix.py``),
     and with ``vocab``, fresh prefixes for every level and repeat after the first."""
     caches = CACHES if shared_prefix else ("on" if cfg.pool.prefix_cache else "off",)
     keys = [(mode, engine, cache) for cache in caches for engine in engines for mode in MODES]
@@ -135,7 +135,7 @@ def run_bench_serve(cfg: RunConfig, loads: list[Load], jobs: list[Job], out: Pat
                        **prefix_summary(jobs, shared_prefix, prefix_group,
                                         cfg.pool.page_size)},
               "rows": rows, "split_over_thread": split_ratios(rows),
-              "prefix_cache": bench_prefix.comparisons(rows)}
+              "prefix_cache": prefix_bench.comparisons(rows)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "serve_bench.md").write_text(markdown(report) + "\n")
@@ -187,7 +187,7 @@ def markdown(report: dict) -> str:
     for load, ratio in report["split_over_thread"].items():
         each = ", ".join(f"{mode} {value:.2f}x" for mode, value in ratio.items())
         lines.append(f"\nOutput throughput, engine process / engine thread, {load}: {each}")
-    return "\n".join(lines + bench_prefix.markdown(report))
+    return "\n".join(lines + prefix_bench.markdown(report))
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -1,13 +1,15 @@
-"""The server's handle on the engine loop (``loop.py``), wherever a host runs it
-(``engine_host``: the engine's own process, or a thread of this one).
+"""The server's handle on the engine loop, wherever a host runs it (a ``messages.Host``:
+the engine's own process, or a thread of this one).
 
 The asyncio side never calls the engine. It submits a request's jobs (one per choice,
-each with a key), aborts them, drains and stops, through the host. The host hands back
-what the loop publishes: the engine's ``RequestLimits`` once it is ready (the front makes
-its ``ModelInfo`` of them), then one ``Report`` per turn. A report's snapshot feeds the
-metrics on the thread it arrives on (the engine thread, or the pipe's reader); its
-events reach their jobs on the asyncio loop, in one ``call_soon_threadsafe`` per report.
-The job table is the asyncio loop's alone (no lock).
+each with a key), aborts them, drains and stops, by sending the host ``ToEngine``
+commands. The host delivers ``FromEngine`` messages back (``take``, dispatched by
+``match``): ``Ready`` with the engine's ``RequestLimits`` (the front makes its
+``ModelInfo`` of them) or ``BuildFailed``, then one ``Report`` per turn, and ``Ended`` if
+the engine ends on its own. A report's snapshot feeds the metrics on the thread it
+arrives on (the engine thread, or the pipe's reader); its events reach their jobs on the
+asyncio loop, in one ``call_soon_threadsafe`` per report. The job table is the asyncio
+loop's alone (no lock).
 
 An engine that ends on its own (its process killed, a segfault, the OOM killer; the
 engine thread raising) fails every open job (500, with the reason: "the engine process
@@ -23,27 +25,16 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
-from ..runtime.request_checks import RequestLimits
-from .loop import Event, Failure, Report, Ticket
+from ...runtime.request_checks import RequestLimits
+from ..messages import (Abort, Add, BuildFailed, Drain, Ended, EngineSnapshot, Event, Failure,
+                        FromEngine, Host, JobEvent, Ready, Report, Ticket)
 from .metrics import ServeMetrics
-from .protocol import Choice, GenRequest, ModelInfo
-from .snapshot import EngineSnapshot
+from .model_info import ModelInfo
+from .protocol import Choice, GenRequest
 
 log = logging.getLogger(__name__)
-
-__all__ = ["EngineWorker", "Event", "Failure", "Job"]
-
-
-class Host(Protocol):
-    """Where the engine loop runs (``engine_host.ThreadHost``, ``ProcessHost``)."""
-
-    def start(self, worker: "EngineWorker") -> None: ...
-
-    def send(self, command: tuple) -> None: ...
-
-    def stop(self, timeout_s: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -81,7 +72,7 @@ class EngineWorker:
     # -- the asyncio side ------------------------------------------------------------
     def start(self) -> None:
         self._loop, self._start = asyncio.get_running_loop(), time.monotonic()
-        self.host.start(self)
+        self.host.start(self.take)
 
     def submit(self, jobs: list[Job]) -> None:
         """A request's jobs (its choices), admitted together."""
@@ -90,27 +81,27 @@ class EngineWorker:
         for job in jobs:
             job.key = next(self._keys)
             self._jobs[job.key] = job
-        self.host.send(("add", [job.ticket() for job in jobs]))
+        self.host.send(Add(tuple(job.ticket() for job in jobs)))
 
     def abort(self, job: Job) -> None:
         """The client went away (or a stop string matched): free the request's row."""
         if self._jobs.pop(job.key, None) is not None:
-            self.host.send(("abort", job.key))
+            self.host.send(Abort(job.key))
 
     def drain(self, grace_s: float) -> None:
-        self.host.send(("drain", grace_s))
+        self.host.send(Drain(grace_s))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self.host.stop(timeout_s)
 
-    def _dispatch(self, events: list[tuple[int, Event]]) -> None:
-        for key, event in events:
-            job = self._jobs.get(key)
+    def _dispatch(self, events: tuple[JobEvent, ...]) -> None:
+        for e in events:
+            job = self._jobs.get(e.key)
             if job is None:  # aborted since
                 continue
-            if isinstance(event, Failure) or event.finished:
-                del self._jobs[key]
-            job.deliver(event)
+            if isinstance(e.event, Failure) or e.event.finished:
+                del self._jobs[e.key]
+            job.deliver(e.event)
 
     def _fail_all(self, failure: Failure) -> None:
         jobs, self._jobs = self._jobs, {}
@@ -124,36 +115,51 @@ class EngineWorker:
             pass
 
     # -- the host's thread -----------------------------------------------------------
-    def ready(self, limits: RequestLimits) -> bool:
+    def take(self, msg: FromEngine) -> bool:
+        """One message of the host -> False when the front refuses a ready engine."""
+        match msg:
+            case Report():
+                self._publish(msg)
+            case Ready(limits=limits):
+                return self._ready(limits)
+            case BuildFailed(reason=reason):
+                self._build_failed(reason)
+            case Ended(reason=reason):
+                self._ended(reason)
+            case _:
+                raise ValueError(f"unknown message {msg!r} from the engine's host")
+        return True
+
+    def _ready(self, limits: RequestLimits) -> bool:
         """The engine is built and captured; False when the front cannot serve it (its
         tokenizer or chat template does not load): the host then stops the engine."""
         try:
             self.info = self._describe(limits)
         except Exception as exc:
-            self.build_failed(f"{type(exc).__name__}: {exc}")
+            self._build_failed(f"{type(exc).__name__}: {exc}")
             return False
         self.metrics.ready.set(1)
         log.warning("engine ready (%s, built and captured in %.1f s)", self.info.name,
                     time.monotonic() - self._start)
         return True
 
-    def build_failed(self, reason: str) -> None:
+    def _build_failed(self, reason: str) -> None:
         """Health says why; requests get 503; the server stops."""
         self.failed = reason
         log.error("engine build failed: %s", reason)
         self._on_failed()
 
-    def publish(self, report: Report) -> None:
+    def _publish(self, report: Report) -> None:
         self.snapshot = report.snapshot
         self.metrics.observe(report.snapshot)  # before the events: a client that has its
         if report.events:  # answer sees the engine counters of the step that made it
             self._post(self._dispatch, report.events)
 
-    def ended(self, reason: str) -> None:
+    def _ended(self, reason: str) -> None:
         """The engine ended on its own: every open job fails, and so does what comes.
         Before it was ready, that is a failed start (the server stops)."""
         if self.info is None:
-            return self.build_failed(reason)
+            return self._build_failed(reason)
         log.error("%s: failing every request", reason)
         self.dead = reason
         self.metrics.engine_ended()

@@ -3,7 +3,7 @@ arrive, holding back what might still become a stop string or an incomplete char
 
 from __future__ import annotations
 
-from ..checkpoint.tokenizer import CheckpointTokenizer
+from ...checkpoint.tokenizer import CheckpointTokenizer
 
 
 class TextStream:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from ..errors import show_value
+from ...errors import show_value
 from .errors import APIError
 from .fields import HONOURED, METADATA, REFUSED, Field, check_table
 from .limits import check_api_key, read_json
 from .prompts import chat_prompt, checked_ids, encode_text
-from .protocol import ModelInfo
+from .model_info import ModelInfo
 from .schema import DETOKENIZE_TYPES, TOKENIZE_TYPES, object_schema, openapi_body
 
 _MODEL = Field(METADATA, "one model is served; the name is checked to be a string, not "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import show_value
+from ...errors import show_value
 from .errors import APIError
 
 HONOURED, METADATA, REFUSED = "honoured", "metadata", "refused"

@@ -1,4 +1,4 @@
-"""The engine process's side of ``ProcessHost`` (``engine_host.py``): ``engine_main``
+"""The engine process's side of ``ProcessHost`` (``hosts.py``): ``engine_main``
 builds the engine, says ready (or why not) and runs the engine loop until stopped; with
 ``parallel.tp`` N > 1 it is rank 0 and starts ranks 1..N-1 itself (``Followers``:
 ``follower_main`` loads, builds and follows), and shuts them down at the end. Also the
@@ -17,13 +17,14 @@ from typing import Callable
 
 import torch
 
-from ..config import RunConfig
-from ..errors import ParallelError
-from ..launch import follower
-from ..launch.follower import load_and_follow, ping, ping_every_s
-from ..launch.ranks import Followers, close_group, exit_rank
-from ..parallel.group import TPGroup
-from ..runtime.engine import SpecEngine
+from ...config import RunConfig
+from ...errors import ParallelError
+from ...launch import follower
+from ...launch.follower import load_and_follow, ping, ping_every_s
+from ...launch.ranks import Followers, close_group, exit_rank
+from ...parallel.group import TPGroup
+from ...runtime.engine import SpecEngine
+from ..messages import BuildFailed, Ended, Ready, Stop, ToEngine
 from .build import build_engine
 from .loop import EngineLoop
 
@@ -48,7 +49,7 @@ class Inbox(queue.Queue):
         self._every_s = ping_every_s(group) if group.parallel else 0.0
         self._next = time.monotonic() + self._every_s
 
-    def get(self, block: bool = True, timeout: float | None = None) -> tuple:
+    def get(self, block: bool = True, timeout: float | None = None) -> ToEngine:
         try:
             return super().get(block, timeout)
         except queue.Empty:
@@ -126,7 +127,7 @@ def _build(spec: EngineSpec, reports, followers: Followers | None):
     engine is ready fails the build at once (``_watch_build``), not after a timeout."""
     settled, lock = threading.Event(), threading.Lock()
 
-    def settle(message: tuple) -> bool:  # one of "ready" / "failed" is sent, once
+    def settle(message: Ready | BuildFailed) -> bool:  # one of them is sent, once
         with lock:
             if settled.is_set():
                 return False
@@ -144,9 +145,9 @@ def _build(spec: EngineSpec, reports, followers: Followers | None):
             spec.prepare(engine)
     except Exception as exc:
         dead = followers.dead() if followers is not None else None
-        settle(("failed", f"{dead}; rank 0: {reason(exc)}" if dead else reason(exc)))
+        settle(BuildFailed(f"{dead}; rank 0: {reason(exc)}" if dead else reason(exc)))
         return None
-    return (engine, group) if settle(("ready", engine.request_limits)) else None
+    return (engine, group) if settle(Ready(engine.request_limits)) else None
 
 
 def _watch_build(followers: Followers, settled: threading.Event, settle) -> None:
@@ -154,8 +155,8 @@ def _watch_build(followers: Followers, settled: threading.Event, settle) -> None
     collective until the group's timeout; say so and end the process now."""
     while not settled.wait(0.1):
         dead = followers.dead()
-        if dead is not None and settle(("failed", f"{dead} while the engine was being "
-                                                  f"built")):
+        if dead is not None and settle(BuildFailed(f"{dead} while the engine was being "
+                                                   f"built")):
             followers.end(0.0)
             exit_rank(1)
 
@@ -167,12 +168,12 @@ def _run(engine: SpecEngine, group: TPGroup, commands, reports) -> bool:
     threading.Thread(target=_forward, args=(commands, inbox), name="nextn-commands",
                      daemon=True).start()
     try:
-        EngineLoop(engine, inbox, lambda report: reports.send(("report", report))).run()
+        EngineLoop(engine, inbox, reports.send).run()
     except BaseException as exc:  # (a lost group: its reason says it all)
         log.error("the engine loop raised", exc_info=None if isinstance(
             exc, ParallelError) else exc)
         try:
-            reports.send(("ended", f"the engine loop died ({reason(exc)[:300]})"))
+            reports.send(Ended(f"the engine loop died ({reason(exc)[:300]})"))
         except OSError:  # the server is gone too
             pass
         return False
@@ -185,5 +186,5 @@ def _forward(commands, inbox: Inbox) -> None:
         try:
             inbox.put(commands.recv())
         except (EOFError, OSError):
-            inbox.put(("stop", None))
+            inbox.put(Stop())
             return

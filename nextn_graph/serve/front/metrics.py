@@ -2,11 +2,11 @@
 two servers in one process keep their own counts).
 
 Two sources: the request handlers (what each client saw: latencies, tokens, outcomes),
-and the engine loop's snapshot of each turn (``snapshot.py``: draft acceptance per
-position, rounds per graph kind and bucket, queue depth, free rows, and the engine's
-own counters, ``engine.stats`` and ``engine.chunks.counters``, the latest exported at
-scrape time). The snapshot is the one way in, whether the engine runs on a thread of
-the server or in its own process.
+and the engine loop's snapshot of each turn (``messages.EngineSnapshot``: draft
+acceptance per position, rounds per graph kind and bucket, queue depth, free rows, and
+the engine's own counters, ``engine.stats`` and ``engine.chunks.counters``, the latest
+exported at scrape time). The snapshot is the one way in, whether the engine runs on a
+thread of the server or in its own process.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .snapshot import ENGINE_STATS, RUNNER_COUNTERS, EngineSnapshot
+from ..messages import ENGINE_STATS, RUNNER_COUNTERS, EngineSnapshot
 
 P = "nextn_serve_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

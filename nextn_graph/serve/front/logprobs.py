@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..checkpoint.tokenizer import CheckpointTokenizer
-from ..runtime.request import TokenLogprob
+from ...checkpoint.tokenizer import CheckpointTokenizer
+from ...runtime.request import TokenLogprob
 from .detokenize import TextStream
 
 FLOOR = -9999.0  # what -inf becomes (JSON has no infinity; OpenAI's and vLLM's value)

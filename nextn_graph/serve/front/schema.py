@@ -18,8 +18,8 @@ each route still reads its body field by field (``protocol``, ``tokens``), with 
 
 from __future__ import annotations
 
-from ..penalties import MAX_LOGIT_BIAS
-from ..sampling import SEED_LIMIT
+from ...penalties import MAX_LOGIT_BIAS
+from ...sampling import SEED_LIMIT
 from .fields import HONOURED, METADATA, STREAM_OPTIONS, Field
 from .prompts import MAX_PROMPTS
 from .protocol import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS

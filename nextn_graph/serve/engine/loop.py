@@ -1,14 +1,12 @@
 """The engine loop: the one place that calls the engine (``add_request``, ``step``,
-``abort``), wherever it is hosted (``engine_host``: a thread of the server, or a process
-of its own; the loop knows neither).
+``abort``), wherever it is hosted (``hosts``: a thread of the server, or a process of
+its own; the loop knows neither).
 
-It takes commands from a queue between steps, steps while there is work, and after each
-turn that did anything publishes one ``Report``: the turn's events (each engine
-request's ``StepOutput``s, or its ``Failure``, by job key) and an ``EngineSnapshot`` for
-the metrics. One message per turn, however many requests it served.
-
-Commands: ``("add", [Ticket])`` (a request's choices, admitted together: all, or none),
-``("abort", key)``, ``("drain", grace_s)``, ``("stop", None)``.
+It takes commands (``messages.ToEngine``: ``Add``, ``Abort``, ``Drain``, ``Stop``) from a
+queue between steps, steps while there is work, and after each turn that did anything
+publishes one ``Report``: the turn's events (each engine request's ``StepOutput``s, or
+its ``Failure``, by job key) and an ``EngineSnapshot`` for the metrics. One message per
+turn, however many requests it served.
 
 Draining (SIGTERM): new requests are refused with 503; requests in flight run on until
 the grace period ends, and then each still running fails explicitly (503, "shutting
@@ -20,52 +18,18 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import InputError
-from ..runtime.engine import SpecEngine
-from ..runtime.request import StepOutput
-from ..sampling import SamplingParams
-from .errors import api_param
-from .snapshot import EngineSnapshot, Snapshots
+from ...errors import InputError
+from ...runtime.engine import SpecEngine
+from ...runtime.request import StepOutput
+from ..messages import (Abort, Add, Drain, Event, Failure, JobEvent, Report, Stop, Ticket,
+                        api_param)
+from .snapshot import Snapshots
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how often an idle loop looks at the drain deadline
-
-
-@dataclass(frozen=True)
-class Failure:
-    """The end of a request that did not complete: an HTTP status and why."""
-
-    status: int
-    message: str
-    param: str | None = None  # the request field at fault, in the API's spelling
-
-
-Event = StepOutput | Failure
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """One engine request to add (one choice of an HTTP request), by its job key."""
-
-    key: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    stop_ids: frozenset[int]
-    sampling: SamplingParams
-    logprobs: int | None  # k per output token; None: off
-    prompt_logprobs: int | None  # k per prompt token; None: off
-
-
-@dataclass(frozen=True)
-class Report:
-    """What one turn of the loop produced."""
-
-    events: list[tuple[int, Event]]  # (job key, event), in the order they happened
-    snapshot: EngineSnapshot
 
 
 class EngineLoop:
@@ -75,7 +39,7 @@ class EngineLoop:
         self._commands, self._publish = commands, publish
         self._rids: dict[int, int] = {}  # job key -> engine rid: added, not ended
         self._keys: dict[int, int] = {}  # engine rid -> job key
-        self._events: list[tuple[int, Event]] = []  # this turn's
+        self._events: list[JobEvent] = []  # this turn's
         self._outs: list[StepOutput] = []  # this turn's step outputs (for the snapshot)
         self._busy = False  # this turn took a command or stepped
         self._deadline: float | None = None  # draining: fail what is left at this time
@@ -96,28 +60,29 @@ class EngineLoop:
     def _flush(self) -> None:
         snapshot = self._snapshots.take(self._outs, self._commands.qsize(), len(self._rids))
         events, self._events, self._outs, self._busy = self._events, [], [], False
-        self._publish(Report(events, snapshot))
+        self._publish(Report(tuple(events), snapshot))
 
     def _take_commands(self) -> bool:
         """Run every queued command (block briefly when idle); False on stop."""
         block = not self.engine.has_work
         while True:
             try:
-                kind, arg = self._commands.get(block, IDLE_POLL_S) if block else \
+                command = self._commands.get(block, IDLE_POLL_S) if block else \
                     self._commands.get_nowait()
             except queue.Empty:
                 return True
             block, self._busy = False, True
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self._add(arg)
-            elif kind == "abort":
-                self._abort(arg)
-            elif kind == "drain":
-                self._deadline = time.monotonic() + arg
-            else:
-                raise ValueError(f"engine loop: unknown command {kind!r}")
+            match command:
+                case Stop():
+                    return False
+                case Add(tickets=tickets):
+                    self._add(tickets)
+                case Abort(key=key):
+                    self._abort(key)
+                case Drain(grace_s=grace_s):
+                    self._deadline = time.monotonic() + grace_s
+                case _:
+                    raise ValueError(f"engine loop: unknown command {command!r}")
 
     def _abort(self, key: int) -> None:
         rid = self._rids.pop(key, None)
@@ -125,18 +90,18 @@ class EngineLoop:
             del self._keys[rid]
             self.engine.abort(rid)
 
-    def _add(self, tickets: list[Ticket]) -> None:
+    def _add(self, tickets: tuple[Ticket, ...]) -> None:
         """Admit a request's choices all, or none: one refused (its ``Failure`` sent)
         aborts those of its siblings already added."""
         if self._deadline is not None:
-            return self._events.append((tickets[0].key,
-                                        Failure(503, "the server is shutting down")))
+            return self._events.append(JobEvent(tickets[0].key,
+                                                Failure(503, "the server is shutting down")))
         for ticket in tickets:
             failure = self._add_one(ticket)
             if failure is not None:
                 for added in tickets:
                     self._abort(added.key)
-                return self._events.append((ticket.key, failure))
+                return self._events.append(JobEvent(ticket.key, failure))
 
     def _add_one(self, t: Ticket) -> Failure | None:
         try:
@@ -178,9 +143,9 @@ class EngineLoop:
             elif out.finished:
                 self._end(key, out)
             else:
-                self._events.append((key, out))
+                self._events.append(JobEvent(key, out))
 
     def _end(self, key: int, event: Event) -> None:
         rid = self._rids.pop(key, None)
         self._keys.pop(rid, None)
-        self._events.append((key, event))
+        self._events.append(JobEvent(key, event))

@@ -5,8 +5,8 @@ Every refusal is an ``APIError`` rendered in OpenAI's error shape (unknown route
 wrong method with its ``Allow``, and unexpected exceptions too: a client never sees a
 traceback). ``/openapi.json`` is FastAPI's schema, each POST route's body described by
 ``schema.py`` (it documents; the routes parse their bodies themselves). The engine lives
-in its own process or on a thread (``worker``, ``engine_host``), started with the app and
-stopped after its last request.
+in its own process or on a thread (a ``messages.Host``, held by the ``worker``), started
+with the app and stopped after its last request.
 """
 
 from __future__ import annotations
@@ -21,17 +21,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from ..runtime.request_checks import RequestLimits
+from ...runtime.request_checks import RequestLimits
+from ..messages import Host
 from .errors import APIError
 from .fields import CHAT, COMPLETIONS
 from .limits import Admission, ServeSettings, check_api_key, read_json
 from .metrics import ServeMetrics
-from .protocol import ModelInfo, parse_request
+from .model_info import ModelInfo
+from .protocol import parse_request
 from .responses import DONE, Shaper, sse
 from .schema import CHAT_TYPES, COMPLETION_TYPES, object_schema, openapi_body
 from .session import Session
 from .tokens import add_token_routes
-from .worker import EngineWorker, Host
+from .worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def _error(exc: APIError) -> JSONResponse:
 def create_app(settings: ServeSettings, host: Host,
                describe: Callable[[RequestLimits], ModelInfo], rows: int,
                on_failed: Callable[[], None] = lambda: None) -> FastAPI:
-    """``host`` builds and runs the engine (``engine_host``); ``describe`` makes the
+    """``host`` builds and runs the engine (``serve.engine.hosts``); ``describe`` makes the
     served ``ModelInfo`` of its limits; ``rows``: its pool's rows; ``on_failed`` runs (on
     the host's thread) when the engine could not start."""
     state = ServerState(settings, host, describe, rows, on_failed)

@@ -18,16 +18,6 @@ def error_type(status: int) -> str:
     return TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
-# The engine's names of request fields (``InputError.field``) that the API spells
-# otherwise; every other field has the same name in both.
-_API_NAMES = {"max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
-
-
-def api_param(field: str | None) -> str | None:
-    """The API parameter of an engine refusal's field (None: no single field)."""
-    return _API_NAMES.get(field, field) if field else None
-
-
 @dataclass
 class APIError(Exception):
     status: int

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import RunConfig
-from .bench import Job
+from ...config import RunConfig
+from .load import Job
 
 CACHES = ("on", "off")
 

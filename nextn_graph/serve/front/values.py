@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import show_value
+from ...errors import show_value
 from .errors import bad_value
 
 

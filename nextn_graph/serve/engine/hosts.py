@@ -1,10 +1,12 @@
 """The two ways to host the engine loop (``loop.py``): its own process (the default of
-``nextn-graph serve``), or a thread of the server's process (``--engine-thread``).
+``nextn-graph serve``), or a thread of the server's process (``--engine-thread``). Each is
+a ``messages.Host``: the front starts it with its ``deliver``, sends it ``ToEngine``
+commands, and stops it.
 
 Either host builds the engine off the asyncio loop, after the server listens (``/health``
-is 503 until capture is done), runs the same ``EngineLoop``, and hands what it publishes
-to the ``EngineWorker``: ``ready(limits)`` (the engine's ``RequestLimits``), ``build_failed(reason)``, ``publish(report)``
-once per turn, ``ended(reason)`` when the engine ends on its own.
+is 503 until capture is done), runs the same ``EngineLoop``, and delivers the same
+``FromEngine`` messages: ``Ready`` (the engine's ``RequestLimits``) or ``BuildFailed``,
+one ``Report`` per turn, ``Ended`` when the engine ends on its own.
 
 ``ProcessHost``: a ``spawn``ed process owns the device. Commands go down one pipe (a
 thread in the engine process moves them onto the loop's queue, so a send never waits
@@ -28,15 +30,13 @@ import atexit
 import logging
 import multiprocessing
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from ..parallel.group import TPGroup
-from ..runtime.engine import SpecEngine
-from .engine_process import EXIT_WAIT_S, EngineSpec, Inbox, engine_main, reason, shutdown
+from ...parallel.group import TPGroup
+from ...runtime.engine import SpecEngine
+from ..messages import BuildFailed, Deliver, Ended, Ready, Report, Stop, ToEngine
 from .loop import EngineLoop
-
-if TYPE_CHECKING:  # (worker.py imports the web side's metrics; the engine process need not)
-    from .worker import EngineWorker
+from .process import EXIT_WAIT_S, EngineSpec, Inbox, engine_main, reason, shutdown
 
 log = logging.getLogger(__name__)
 
@@ -57,32 +57,34 @@ class ThreadHost:
         self.engine: SpecEngine | None = None  # once built (tests reach into it)
         self._thread: threading.Thread | None = None
 
-    def start(self, worker: "EngineWorker") -> None:
-        self._thread = threading.Thread(target=self._run, args=(worker,), name="nextn-engine",
+    def start(self, deliver: Deliver) -> None:
+        self._thread = threading.Thread(target=self._run, args=(deliver,), name="nextn-engine",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, worker: "EngineWorker") -> None:
+    def _run(self, deliver: Deliver) -> None:
         try:
             self.engine = self._build()
             if self._prepare is not None:
                 self._prepare(self.engine)
         except Exception as exc:
-            return worker.build_failed(reason(exc))
-        if not worker.ready(self.engine.request_limits):
+            deliver(BuildFailed(reason(exc)))
+            return
+        if not deliver(Ready(self.engine.request_limits)):
             return
         try:
-            EngineLoop(self.engine, self._commands, worker.publish).run()
+            EngineLoop(self.engine, self._commands, deliver).run()
         except BaseException as exc:  # a bug, a lost group: no request is left hanging
             log.error("the engine thread raised", exc_info=exc)
-            return worker.ended(f"the engine thread died ({reason(exc)[:300]})")
+            deliver(Ended(f"the engine thread died ({reason(exc)[:300]})"))
+            return
         shutdown(self._group)
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: ToEngine) -> None:
         self._commands.put(command)
 
     def stop(self, timeout_s: float) -> None:
-        self._commands.put(("stop", None))
+        self._commands.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -107,7 +109,7 @@ class ProcessHost:
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
 
-    def start(self, worker: "EngineWorker") -> None:
+    def start(self, deliver: Deliver) -> None:
         ctx = multiprocessing.get_context("spawn")
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._reports, reports_out = ctx.Pipe(duplex=False)
@@ -117,60 +119,59 @@ class ProcessHost:
         commands_in.close()  # the engine process's ends: closed here, so the reader
         reports_out.close()  # sees the end of the pipe once that process is gone
         atexit.register(self._kill)  # an engine process never outlives the server
-        self._reader = threading.Thread(target=self._read, args=(worker,),
+        self._reader = threading.Thread(target=self._read, args=(deliver,),
                                         name="nextn-engine-reader", daemon=True)
         self._reader.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: ToEngine) -> None:
         with self._send_lock:
             try:
                 self._commands.send(command)
             except OSError:  # the process is gone: the reader reports why
                 pass
 
-    def _read(self, worker: "EngineWorker") -> None:
+    def _read(self, deliver: Deliver) -> None:
         while True:
             try:
-                kind, arg = self._reports.recv()
+                msg = self._reports.recv()
             except (EOFError, OSError):
                 break
             except Exception as exc:  # a message that does not unpickle: the pipe is lost
                 log.error("the engine process's pipe broke", exc_info=exc)
                 break
             try:
-                self._take(worker, kind, arg)
+                self._take(deliver, msg)
             except Exception as exc:  # a bug on this side: say so, keep reading
-                log.error("the engine's %s message could not be taken", kind, exc_info=exc)
+                log.error("the engine's %s message could not be taken", type(msg).__name__,
+                          exc_info=exc)
         self._reports.close()
         self.process.join(EXIT_WAIT_S)
         if self.process.exitcode is None:  # the pipe closed, the process hangs on
             self._kill()
         code = self.process.exitcode
         if not (self._settled or (code == 0 and self._stopping)):
-            worker.ended(f"the engine process died (exit code {code})")
+            deliver(Ended(f"the engine process died (exit code {code})"))
 
-    def _take(self, worker: "EngineWorker", kind: str, arg) -> None:
-        if kind == "report":
-            worker.publish(arg)
-        elif kind == "ready":
-            if not worker.ready(arg):
+    def _take(self, deliver: Deliver, msg) -> None:
+        match msg:
+            case Ready():
+                if not deliver(msg):  # the front cannot serve this engine
+                    self._settled = True
+                    self.send(Stop())
+            case BuildFailed() | Ended():  # (Ended: the loop raised, a lost group)
                 self._settled = True
-                self.send(("stop", None))
-        elif kind == "failed":
-            self._settled = True
-            worker.build_failed(arg)
-        elif kind == "ended":  # the loop raised (a lost tensor-parallel group)
-            self._settled = True
-            worker.ended(arg)
-        else:
-            raise ValueError(f"unknown message {kind!r} from the engine process")
+                deliver(msg)
+            case Report():
+                deliver(msg)
+            case _:
+                raise ValueError(f"unknown message {msg!r} from the engine process")
 
     def stop(self, timeout_s: float) -> None:
         """Stop the loop (the requests left fail, 503) and wait for the process."""
         self._stopping = True
         if self.process is None:
             return
-        self.send(("stop", None))
+        self.send(Stop())
         self._reader.join(timeout_s)
         if self.process.is_alive():
             log.error("the engine process did not stop in %.0f s: killed", timeout_s)

@@ -9,19 +9,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ..errors import InputError, show_value
+from ...errors import InputError, show_value
 from .errors import APIError
 from .errors import bad_value as bad
-
-if TYPE_CHECKING:
-    from .protocol import ModelInfo
+from .model_info import ModelInfo
 
 MAX_PROMPTS = 64  # prompts in one completions request (a batch)
 
 
-def checked_ids(value: list, info: "ModelInfo", param: str, where: str | None = None) -> list[int]:
+def checked_ids(value: list, info: ModelInfo, param: str, where: str | None = None) -> list[int]:
     """``value``'s token ids, each in the vocabulary; ``where`` names it in the message
     (``prompt[2]``), ``param`` is the field."""
     bad_ids = [t for t in value if isinstance(t, bool) or not isinstance(t, int)
@@ -32,7 +28,7 @@ def checked_ids(value: list, info: "ModelInfo", param: str, where: str | None = 
     return list(value)
 
 
-def encode_text(text: str, info: "ModelInfo", param: str, where: str | None = None) -> list[int]:
+def encode_text(text: str, info: ModelInfo, param: str, where: str | None = None) -> list[int]:
     where = where or param
     if info.tokenizer is None:
         raise bad(f"{where}: a text prompt needs the checkpoint's tokenizer.json, and this "
@@ -43,7 +39,7 @@ def encode_text(text: str, info: "ModelInfo", param: str, where: str | None = No
         raise bad(str(exc), param) from None
 
 
-def _one(value: object, info: "ModelInfo", where: str) -> list[int]:
+def _one(value: object, info: ModelInfo, where: str) -> list[int]:
     if isinstance(value, str):
         return encode_text(value, info, "prompt", where)
     if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
@@ -52,7 +48,7 @@ def _one(value: object, info: "ModelInfo", where: str) -> list[int]:
               f"{show_value(value)}", "prompt")
 
 
-def completion_prompts(body: dict, info: "ModelInfo") -> list[list[int]]:
+def completion_prompts(body: dict, info: ModelInfo) -> list[list[int]]:
     """``prompt`` -> one token-id list per prompt (a batch when it is a list of prompts)."""
     value = body.get("prompt")
     batch = isinstance(value, list) and bool(value) and all(
@@ -65,7 +61,7 @@ def completion_prompts(body: dict, info: "ModelInfo") -> list[list[int]]:
     return [_one(p, info, f"prompt[{i}]") for i, p in enumerate(value)]
 
 
-def chat_prompt(body: dict, info: "ModelInfo") -> list[int]:
+def chat_prompt(body: dict, info: ModelInfo) -> list[int]:
     if info.chat is None:
         raise APIError(400, "this model has no chat template (the checkpoint's "
                             "tokenizer_config.json has no 'chat_template'); use "

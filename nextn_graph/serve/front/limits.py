@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect
 
-from ..errors import InputError
+from ...errors import InputError
 from .errors import APIError
 
 API_KEY_ENV = "NEXTN_GRAPH_API_KEY"  # a key kept off the command line (and ps)
-ENGINE_HOSTS = ("process", "thread")  # where the engine loop runs (engine_host.py)
+ENGINE_HOSTS = ("process", "thread")  # where the engine loop runs (serve/engine/hosts.py)
 
 if TYPE_CHECKING:  # the command line reads the defaults without the web libraries
     from starlette.requests import Request

@@ -8,6 +8,7 @@ shared between tests: each test makes its own with ``tiny.target_pool`` or
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -71,3 +72,41 @@ def _no_grad():
     """Every test runs inference only: no autograd graph, no grad-mode surprises."""
     with torch.no_grad():
         yield
+
+
+# -- the tiers: a test that starts a process is marked ``process`` ---------------------------
+# The default (fast) tier leaves out what starts other processes; an unmarked test that
+# starts one would slow it silently, so it fails. Audit events see subprocess and fork;
+# multiprocessing's spawn starts its child in C unaudited (those tests are marked by hand).
+_STARTED: list[str] = []
+_PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.fork", "os.forkpty"})
+
+
+def _audit(event: str, args) -> None:
+    if event in _PROCESS_EVENTS:
+        _STARTED.append(event)
+
+
+sys.addaudithook(_audit)
+
+
+def _check_started(item) -> None:
+    started, _STARTED[:] = list(_STARTED), []
+    if started and item.get_closest_marker("process") is None:
+        pytest.fail(f"{item.nodeid} started a process ({started[0]}) but is not marked "
+                    f"@pytest.mark.process (the fast tier starts none)", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _STARTED.clear()
+    result = yield
+    _check_started(item)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    _check_started(item)
+    return result

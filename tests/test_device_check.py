@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process  # perf/device_check.py in a subprocess
+
 REPO = Path(__file__).resolve().parents[1]
 
 

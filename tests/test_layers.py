@@ -30,6 +30,7 @@ def package_copy(tmp_path: Path) -> Path:
     return tmp_path / "nextn_graph"
 
 
+@pytest.mark.process
 def test_the_layers_contract_is_kept():
     proc = lint(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -60,6 +61,7 @@ def test_the_layers_contract_is_kept():
     ("serve/front/prompts.py", "from .protocol import GenRequest",
      "- nextn_graph.serve.front.prompts -> nextn_graph.serve.front.protocol"),
 ])
+@pytest.mark.process
 def test_an_upward_import_breaks_the_contract(tmp_path, module, line, broken):
     pkg = package_copy(tmp_path)
     with open(pkg / module, "a") as f:
@@ -69,6 +71,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path, module, line, broken):
     assert broken in proc.stdout, proc.stdout
 
 
+@pytest.mark.process
 def test_a_module_without_a_layer_breaks_the_contract(tmp_path):
     pkg = package_copy(tmp_path)
     (pkg / "helpers.py").write_text("from .errors import InputError\n")

@@ -26,6 +26,8 @@ from nextn_graph.graph.backends import make_backend
 from nextn_graph.profile.counting import OUTSIDE_PHASES, OpCounter
 from nextn_graph.runtime.engine import SpecEngine
 
+pytestmark = pytest.mark.compile  # torch.compile'd peers
+
 REPO = Path(__file__).resolve().parents[2]
 KINDS = {"rollout", "target_verify", "draft_extend"}
 

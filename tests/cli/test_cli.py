@@ -238,6 +238,7 @@ def test_no_arguments_runs_the_bench(monkeypatch):
     assert seen[0].command == "bench" and seen[0].config is None
 
 
+@pytest.mark.process
 def test_module_entry_point(ckpt, tmp_path):
     """`python -m nextn_graph` runs generate end to end and maps a library error to exit 2."""
     path = _jsonl(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7, 8]}])
@@ -257,6 +258,7 @@ def test_module_entry_point(ckpt, tmp_path):
     assert "Traceback" not in proc.stderr and "checkpoint directory not found" in proc.stderr
 
 
+@pytest.mark.process
 def test_embedding_example_runs():
     """examples/serve.py, the README's embedding example, runs to completion."""
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "serve.py")], cwd=REPO,

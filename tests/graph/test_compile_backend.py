@@ -57,6 +57,7 @@ def _expected(kind: str, b: int, x: torch.Tensor) -> torch.Tensor:
 
 # -- 1. the recompile limit ----------------------------------------------------------------
 
+@pytest.mark.compile
 def test_compiling_runner_partials_directly_fails_on_the_ninth():
     """The bug: torch.compile of partial(phases.run, kind, bucket) puts every graph on one
     shared code object, and with fullgraph the (recompile_limit + 1)-th capture raises."""
@@ -71,6 +72,7 @@ def test_compiling_runner_partials_directly_fails_on_the_ninth():
         compiled[limit]()
 
 
+@pytest.mark.compile
 def test_compile_backend_captures_past_the_recompile_limit_each_on_its_own_code():
     """recompile_limit + 4 captures of the same method succeed, each graph on its own code
     object with one cache entry, and every replay computes its own (kind, bucket)."""
@@ -113,6 +115,7 @@ def test_held_tensors_walks_partials_closures_dataclasses_and_objects_not_module
     assert {id(t) for t in found} == {id(t) for t in expect}
 
 
+@pytest.mark.compile
 def test_capture_marks_held_tensors_static():
     """Every tensor the captured callable holds is marked static for Dynamo (no guard)."""
     phases = _Phases()
@@ -122,6 +125,7 @@ def test_capture_marks_held_tensors_static():
         assert torch._dynamo.utils.get_static_address_type(t) == "unguarded"
 
 
+@pytest.mark.compile
 def test_graph_break_is_a_capture_error_naming_the_graph():
     """A phase Dynamo cannot trace as one graph fails its capture, naming (kind, bucket)."""
     phases = _Phases()
@@ -155,6 +159,7 @@ def _names(graphs) -> list[tuple[str, int]]:
     return sorted((k.name, k.bucket) for k in graphs)
 
 
+@pytest.mark.compile
 def test_compile_engine_equals_reference(trained):
     """An engine on compiled graphs (aot_eager; 3 graphs, 3 requests split over bucket 2)
     equals the no-cache oracle, replaying every graph and running nothing eagerly."""
@@ -179,6 +184,7 @@ def test_compile_engine_equals_reference(trained):
     assert torch._dynamo.utils.get_static_address_type(kv) == "unguarded"
 
 
+@pytest.mark.compile
 def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
     """graph.round fused on the compile backend (aot_eager): one compiled graph for the
     whole round (its in-place slot flip included), overlapped rounds, tokens equal to
@@ -197,6 +203,7 @@ def test_fused_round_compiles_into_one_graph_and_overlaps(trained):
     assert engine.chunks.counters.overlapped_rounds > 0
 
 
+@pytest.mark.compile
 def test_sampling_round_compiles_and_draws_what_eager_draws(trained):
     """The fused round's sampling variant through Dynamo (aot_eager, fullgraph: no graph
     break in the filtering, the keyed uniforms or the rejection step): seeded requests

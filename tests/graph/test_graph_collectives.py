@@ -24,6 +24,8 @@ from nextn_graph.launch.ranks import spawn
 
 from fake_npu import make_fake_npu
 
+pytestmark = pytest.mark.process  # two spawned gloo ranks
+
 TP = 2
 TIMEOUT_S = 60.0  # a rank left waiting for a collective fails the test, not hangs it
 _f = torch.ops._c10d_functional

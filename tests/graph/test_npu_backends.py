@@ -242,6 +242,7 @@ def test_torchair_compiler_follows_what_torch_npu_offers():
             make_backend("torchair", compile_backend=bad, lookup=_registered(), **kw)
 
 
+@pytest.mark.compile
 def test_torchair_engine_through_dynamo_equals_reference(trained):
     """A torchair engine compiles every graph through real Dynamo (its npugraph_ex stands
     in as aot_eager) and equals the oracle; each graph is replayed."""
@@ -281,6 +282,7 @@ def test_npu_backends_without_torch_npu_raise_config_error(trained):
     assert "torch_npu" not in sys.modules
 
 
+@pytest.mark.process
 def test_importing_the_package_never_imports_torch_npu(tmp_path):
     """Importing the package never imports torch_npu; only choosing the npu backend does."""
     poison = tmp_path / "torch_npu"

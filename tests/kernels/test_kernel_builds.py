@@ -12,6 +12,8 @@ from nextn_graph.kernels import (triton_attn, triton_compress, triton_gemm, trit
                                  triton_mhc, triton_moe, triton_norm)
 from nextn_graph.kernels.aot import H200_SHARED_BYTES, build_module
 
+pytestmark = pytest.mark.compile  # sm_90a builds of every Triton kernel
+
 # The kernels each module defines, by name: each must have a build below.
 KERNELS = {
     triton_mhc: {"hc_project_kernel", "hc_mix_kernel", "hc_post_kernel"},

@@ -27,6 +27,8 @@ from nextn_graph.model.quant import QuantLinear
 from nextn_graph.runtime.engine import SpecEngine
 from nextn_graph.runtime.generate import reference_generate
 
+pytestmark = pytest.mark.compile  # interpreted Triton over a whole quantized model
+
 PROMPTS, NEW_TOKENS = 2, 5  # the bench's first prompts (seed 11), 16 and 24 tokens
 
 

@@ -109,6 +109,7 @@ def _engine(models, graph: GraphConfig) -> SpecEngine:
                       PoolConfig(max_requests=2, max_context=64), graph)
 
 
+@pytest.mark.compile
 def test_triton_forward_replays_bitwise_and_differs_from_the_reference_within_rounding(fused):
     """A captured target forward on the Triton kernels replays exactly what the kernels
     compute eagerly; against the reference kernels the logits agree to fp32 rounding (the
@@ -142,6 +143,7 @@ def test_triton_forward_replays_bitwise_and_differs_from_the_reference_within_ro
     torch.testing.assert_close(eager.logits[:2], ref.logits[:2], rtol=0, atol=1e-4 * scale)
 
 
+@pytest.mark.compile
 def test_triton_spec_equals_the_reference_token_for_token(fused):
     """Speculative decoding on the Triton kernels equals plain greedy decoding by full
     recompute on the same kernels, eagerly and on the emulator's graphs (one fused round
@@ -196,6 +198,7 @@ GEMMS = {f"nextn_graph::{n}" for n in ("fused_grouped_mm", "fused_quant_linear",
                                         "fused_quant_bmm", "fused_quant_grouped_mm")}
 
 
+@pytest.mark.compile
 def test_every_fused_op_launches_what_the_profile_counts(tiny):
     """A forward of the target and one of the draft on the Triton set call every fused op,
     and each call launches exactly the kernels ``registry.launches`` says (what the work

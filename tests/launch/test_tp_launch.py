@@ -17,6 +17,8 @@ from nextn_graph.errors import ConfigError, ParallelError
 from nextn_graph.parallel.group import TPGroup
 from nextn_graph.launch.ranks import spawn
 
+pytestmark = pytest.mark.process  # each test starts ranks or a CLI in other processes
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 ENV["OMP_NUM_THREADS"] = "1"

@@ -91,6 +91,7 @@ def test_short_context_pool_runs(tiny):
     torch.testing.assert_close(out.logits, tiny.target.reference(ids).logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.process
 def test_pool_module_imports_first():
     """``import nextn_graph.memory.pool`` works in a fresh interpreter."""
     proc = subprocess.run([sys.executable, "-c", "import nextn_graph.memory.pool"],

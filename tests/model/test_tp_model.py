@@ -110,6 +110,7 @@ def tp2(tmp_path_factory):
             "fp8_tp1": _outputs(load_checkpoint(fp8)), "ranks": results}
 
 
+@pytest.mark.process
 def test_tp2_logits_equal_tp1(tp2):
     """Cached forward, reference and draft at tp = 2 equal tp = 1 (fp32 reduction order),
     argmax identical, and every rank holds the same logits."""
@@ -118,6 +119,7 @@ def test_tp2_logits_equal_tp1(tp2):
     _assert_ranks_agree(tp2["ranks"], "random")
 
 
+@pytest.mark.process
 def test_tp4_logits_equal_tp1():
     want = _outputs(random_models(_cfg(TP4), 0))
     results = spawn(_rank, 4, (TP4,), timeout_s=TIMEOUT_S)
@@ -127,6 +129,7 @@ def test_tp4_logits_equal_tp1():
     _assert_ranks_agree(results, "random")
 
 
+@pytest.mark.process
 def test_loaded_tp2_equals_random_tp2_and_reads_only_its_slices(tp2):
     """A tp = 1 checkpoint loaded at tp = 2 gives random_models(tp = 2)'s logits exactly;
     a rank reads exactly the bytes of its own slices (no other rank's experts), less
@@ -139,6 +142,7 @@ def test_loaded_tp2_equals_random_tp2_and_reads_only_its_slices(tp2):
         assert res["bytes_read"] == res["own_bytes"] < 0.75 * total
 
 
+@pytest.mark.process
 def test_split_bytes_halve_at_tp2(tp2):
     one = tp2["tp1_bytes"]
     for res in tp2["ranks"]:
@@ -147,6 +151,7 @@ def test_split_bytes_halve_at_tp2(tp2):
         assert res["bytes"]["total"] == res["bytes"]["split"] + res["bytes"]["replicated"]
 
 
+@pytest.mark.process
 def test_fp8_checkpoint_loads_at_tp2(tp2):
     """FP8 linears split at whole 128-blocks (FP4 experts whole): the tp = 2 load, kept
     quantized or dequantized as read, equals the tp = 1 quantized load."""

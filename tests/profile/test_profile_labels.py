@@ -128,7 +128,8 @@ class Typo:
         _labels_of(lambda: toy.Typo().forward(torch.ones(4, device="meta")))
 
 
-@pytest.mark.parametrize("weights", ["dequantized", "quantized"])
+@pytest.mark.parametrize("weights", ["dequantized",
+                                     pytest.param("quantized", marks=pytest.mark.heavy)])
 def test_every_op_of_a_v4_flash_round_is_labelled(weights):
     """Bucket 1, the reference and the h200's (Triton) kernel sets on one build: no op is
     ``other``, and every label of the vocabulary occurs (a build 5-8 s, a count under 1 s)."""

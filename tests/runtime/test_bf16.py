@@ -82,6 +82,7 @@ def test_tolerance_allows_only_tokens_near_the_reference_choice():
     assert within_tolerance([0, 1, 2], ref, logits, delta=8.0)
 
 
+@pytest.mark.heavy
 def test_tolerance_rejects_most_wrong_tokens_on_real_outputs(trained):
     """On the trained model's fp32 outputs the check has teeth: the teacher-forced logits
     pick the reference's own tokens, and swapping in any other token at any position is
@@ -122,6 +123,7 @@ REQUEST = st.tuples(
 
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(st.lists(REQUEST, min_size=1, max_size=6))
+@pytest.mark.heavy
 def test_bf16_agrees_with_fp32_reference_within_tolerance(trained, trained16, engine16, drawn):
     """Spec on cpu graphs (padded buckets, joins and leaves, waiting requests) and plain
     bf16 decoding leave the fp32 reference only for a token within BF16_TOLERANCE."""

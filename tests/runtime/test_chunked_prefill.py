@@ -354,6 +354,7 @@ def _tp_run(group, budget: int):
     return got, control
 
 
+@pytest.mark.process
 def test_tp2_follows_rank0_chunks():
     """tp = 2 with budget 16 (eager: the graphs' followers are tests/runtime/test_tp_engine.py's):
     rank 1 replays rank 0's chunks; tokens equal tp = 1."""

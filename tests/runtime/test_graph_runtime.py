@@ -212,6 +212,7 @@ def test_graph_parity_growing_and_shrinking_batches(engines, model, num_steps, m
     assert c["graph_replays"] == c["chunks"] * per_round
 
 
+@pytest.mark.heavy
 def test_graph_parity_long_requests_cross_window_and_c128(engines, trained):
     """2 x ~260 tokens (past SWA, C4, C128 at 128/256): graphs equal eager and reference."""
     p = corpus_prompts(7, [12, 30])
@@ -295,6 +296,7 @@ REQUEST = st.tuples(
 
 @settings(max_examples=8, deadline=None, derandomize=True, database=None)
 @given(st.lists(REQUEST, min_size=1, max_size=6))
+@pytest.mark.heavy
 def test_random_schedules_equal_the_reference(trained, schedule_engine, drawn):
     """Random arrivals, lengths, limits, stops on one graph engine: outputs equal the reference."""
     with torch.no_grad():

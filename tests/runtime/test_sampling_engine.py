@@ -251,11 +251,11 @@ def homogeneity(a: list[tuple], b: list[tuple]) -> tuple[float, int]:
     return stat, len(rows) - 1
 
 
-@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, top_k=8),
-                                     dict(temperature=1.3, top_p=0.9),
-                                     dict(temperature=1.0, min_p=0.02, repetition_penalty=1.6,
-                                          frequency_penalty=0.8)],
-                         ids=["t1.0", "t0.7-topk8", "t1.3-topp0.9", "t1.0-penalties"])
+@pytest.mark.parametrize("setting", [
+    dict(temperature=1.0, min_p=0.02, repetition_penalty=1.6, frequency_penalty=0.8),
+    *(pytest.param(s, marks=pytest.mark.heavy) for s in (
+        dict(temperature=1.0), dict(temperature=0.7, top_k=8), dict(temperature=1.3, top_p=0.9)))],
+    ids=["t1.0-penalties", "t1.0", "t0.7-topk8", "t1.3-topp0.9"])
 def test_speculative_sampling_is_lossless_in_distribution(trained, setting, monkeypatch):
     """(With penalties: the target's p at every verify row is the penalised one, with
     the window's drafts counted, and the plain reference penalises token by token.)"""

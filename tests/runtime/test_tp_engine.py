@@ -29,6 +29,8 @@ from nextn_graph.runtime.engine import SpecEngine
 from helpers import corpus_prompts, random_prompt
 from test_graph_runtime import Req, grow_and_shrink, run_schedule
 
+pytestmark = pytest.mark.process  # tensor-parallel groups of spawned ranks
+
 TRAINED = "builtin:tiny-trained"
 # pages of 128 positions, 4 for 6 rows: admission waits for pages, rank 0's page ids
 # (reused, out of order) reach the followers' page tables in the prefill message

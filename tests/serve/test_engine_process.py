@@ -26,6 +26,8 @@ from nextn_graph.serve.thread import ServerThread
 
 from serve_support import FAULT, fault_a_shared_round, metric, scrape, wait_idle
 
+pytestmark = pytest.mark.process  # the engine in its own process: the process boundary's tests
+
 ROWS = 2
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 109, 121]
 

@@ -90,7 +90,7 @@ def server(tmp_path_factory):
     cfg = load_run_config(None, checkpoint=str(root),
                           pool={"max_requests": 2, "max_context": MAX_CONTEXT},
                           graph={"logprobs": MAX_LOGPROBS, "penalties": True})
-    with ServerThread(cfg, ServeSettings(port=0)) as srv:
+    with ServerThread(cfg, ServeSettings(port=0, engine="thread")) as srv:
         srv.greedy, srv.target = greedy, target
         srv.http = httpx.Client(base_url=srv.url, timeout=60)
         yield srv

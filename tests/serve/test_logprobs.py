@@ -56,7 +56,7 @@ def server(tmp_path_factory):
     cfg = load_run_config(None, checkpoint=str(root),
                           pool={"max_requests": ROWS, "max_context": MAX_CONTEXT},
                           graph={"logprobs": K})
-    with ServerThread(cfg, ServeSettings(port=0)) as srv:
+    with ServerThread(cfg, ServeSettings(port=0, engine="thread")) as srv:
         srv.target = load_checkpoint(root).target
         srv.names = TokenNames(load_tokenizer(root, 256))
         srv.http = httpx.Client(base_url=srv.url, timeout=120)
@@ -154,7 +154,7 @@ def test_plain_serving_reports_the_same_distribution(server):
     cfg = load_run_config(None, checkpoint=str(server.state.worker.info.tokenizer.path.parent),
                           pool={"max_requests": 1, "max_context": MAX_CONTEXT},
                           graph={"logprobs": K})
-    with ServerThread(cfg, ServeSettings(port=0), plain=True) as plain:
+    with ServerThread(cfg, ServeSettings(port=0, engine="thread"), plain=True) as plain:
         r = httpx.post(plain.url + "/v1/completions", timeout=120, json={
             "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": K,
             "echo": True, "return_token_ids": True})

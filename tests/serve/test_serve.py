@@ -33,7 +33,7 @@ def root(tmp_path_factory):
     return chat_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-@pytest.fixture(scope="module", params=["process", "thread"])
+@pytest.fixture(scope="module", params=[pytest.param("process", marks=pytest.mark.process), "thread"])
 def server(request, root):
     cfg = load_run_config(None, checkpoint=str(root),
                           pool={"max_requests": ROWS, "max_context": MAX_CONTEXT},

@@ -15,6 +15,7 @@ from nextn_graph.serve.bench.command import (engines_of, make_jobs, prefix_summa
 from nextn_graph.serve.bench.load import Load
 
 
+@pytest.mark.heavy
 def test_bench_serve_small_load(tmp_path):
     cfg = load_run_config(None, pool={"max_requests": 2, "max_context": 256},
                           graph={"sampling": False})
@@ -37,6 +38,7 @@ def test_bench_serve_small_load(tmp_path):
     assert report["split_over_thread"] == {}  # one host: nothing to compare
 
 
+@pytest.mark.process
 def test_bench_serve_both_engines_repeated(tmp_path):
     """``--engine both --repeats 2``: every mode from an engine process and an engine
     thread, each load twice per server, the median run reported with both runs'
@@ -98,6 +100,7 @@ def test_a_shared_prefix_too_long_for_the_context_is_refused(capsys):
     assert "--shared-prefix 1000" in err and "pool.max_context 512" in err
 
 
+@pytest.mark.heavy
 def test_bench_serve_with_shared_prefixes(tmp_path):
     """Prompts sharing a prefix serve like any others (both modes agree) and the report
     says what a prefix cache could serve of them."""

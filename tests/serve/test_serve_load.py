@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pytest
 
 from nextn_graph.checkpoint import load_checkpoint
 from nextn_graph.config import load_run_config
@@ -58,6 +59,7 @@ def _run(client: openai.OpenAI, job: dict) -> dict:
         return {"outcome": "error", "error": str(exc)}
 
 
+@pytest.mark.heavy
 def test_load_200_requests_32_concurrent():
     cfg = load_run_config(None, pool={"max_requests": ROWS, "max_context": MAX_CONTEXT})
     plan = _plan()
@@ -68,7 +70,7 @@ def test_load_200_requests_32_concurrent():
         outs = plain_generate(models.target, [j["prompt"] for j in jobs], n,
                               max_context=MAX_CONTEXT).outputs
         want.update({j["i"]: o for j, o in zip(jobs, outs)})
-    with ServerThread(cfg, ServeSettings(port=0, max_waiting=64)) as srv:
+    with ServerThread(cfg, ServeSettings(port=0, max_waiting=64, engine="thread")) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                                timeout=120)
         start = time.monotonic()

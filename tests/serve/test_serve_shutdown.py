@@ -38,6 +38,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 240) -> l
     raise AssertionError("the server did not become healthy")
 
 
+@pytest.mark.process
 def test_sigterm_loses_no_request_silently():
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -31,6 +31,8 @@ from nextn_graph.serve.engine.hosts import ProcessHost
 from nextn_graph.serve.front.limits import ServeSettings
 from nextn_graph.serve.thread import ServerThread
 
+pytestmark = pytest.mark.process  # engine processes and their spawned followers
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 ENV["OMP_NUM_THREADS"] = "1"

@@ -8,6 +8,7 @@ shared between tests: each test makes its own with ``tiny.target_pool`` or
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ def _audit(event: str, args) -> None:
         _STARTED.append(event)
 
 
+platform.processor()  # cached for the process: its one `uname -p` (the openai client asks)
 sys.addaudithook(_audit)
 
 

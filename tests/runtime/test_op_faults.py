@@ -140,3 +140,23 @@ def test_a_fault_at_any_op_commits_or_fails_each_request_and_frees_everything(
     pool, cache = eng.models.target_pool, eng.prefix.cache
     assert not pool.held and pool.free_rows == ROWS and cache.locked == 0
     assert pool.free_pages + cache.cached_pages == PAGES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_fault_at_every_997th_op_of_a_run(engines, trained, mode):
+    """The sweep (.ci/run runs it, about a minute a mode): a fault at op 1, 998, 1995, ...
+    of the whole run, until one lands past its end; each run as above."""
+    at = 1
+    while True:
+        fault = OpFault(engines(mode), "any", at)
+        tokens, errors = _drive(engines(mode), fault)
+        if not fault.fired:
+            break
+        assert errors, f"op {at} ({fault.fired}) failed no request"
+        assert not engines(mode).models.target_pool.held
+        for i, prompt in enumerate(_prompts()):
+            want = reference(trained.target, prompt, MAX_NEW)
+            assert tokens[i] == (want[:len(tokens[i])] if i in errors else want), (at, i)
+        at += 997
+    assert at > 997 * 10  # the run is long enough for the sweep to mean something

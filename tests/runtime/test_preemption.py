@@ -93,8 +93,8 @@ def test_plain_decoding_resumes(trained):
         assert got[i] == reference(trained.target, p, n), f"request {i}"
 
 
-@pytest.mark.parametrize("mode", [pytest.param("split", marks=pytest.mark.heavy), "fused",
-                                  "overlap"])
+@pytest.mark.parametrize("mode", [*(pytest.param(m, marks=pytest.mark.heavy)
+                                    for m in ("split", "fused")), "overlap"])
 def test_random_arrivals_aborts_hits_and_preemptions(trained, mode):
     """Shared-prefix prompts arriving at random steps on a tight pool (4 pages, 4 rows,
     the prefix cache on, a prefill budget of 96), two of them aborted mid-way: every

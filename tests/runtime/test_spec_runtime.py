@@ -443,6 +443,7 @@ def test_generate_is_all_or_nothing(trained):
 
 # -- 7. CLI ------------------------------------------------------------------------------
 
+@pytest.mark.heavy
 def test_cli_spec_equals_reference(tmp_path, capsys, trained):
     """`generate --checkpoint builtin:tiny-trained --json` runs the speculative mode by
     default and prints the same output_ids as --mode reference, with the speculative

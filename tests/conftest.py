@@ -76,8 +76,8 @@ def _no_grad():
 
 
 # -- the tiers: a test that starts a process is marked ``process`` ---------------------------
-# The default (fast) tier leaves out what starts other processes; an unmarked test that
-# starts one would slow it silently, so it fails. Audit events see subprocess and fork;
+# The default (fast) tier leaves out what starts other processes; a test of that tier that
+# starts one would slow it silently, so it fails (a compile tier's ptxas is fine). Audit events see subprocess and fork;
 # multiprocessing's spawn starts its child in C unaudited (those tests are marked by hand).
 _STARTED: list[str] = []
 _PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.fork", "os.forkpty"})
@@ -92,11 +92,14 @@ platform.processor()  # cached for the process: its one `uname -p` (the openai c
 sys.addaudithook(_audit)
 
 
+_OUT_OF_FAST = ("process", "compile", "heavy", "slow")  # tiers the default run leaves out
+
+
 def _check_started(item) -> None:
     started, _STARTED[:] = list(_STARTED), []
-    if started and item.get_closest_marker("process") is None:
-        pytest.fail(f"{item.nodeid} started a process ({started[0]}) but is not marked "
-                    f"@pytest.mark.process (the fast tier starts none)", pytrace=False)
+    if started and not any(item.get_closest_marker(m) for m in _OUT_OF_FAST):
+        pytest.fail(f"{item.nodeid} started a process ({started[0]}) but is in the fast tier: "
+                    f"mark it @pytest.mark.process (the fast tier starts none)", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)

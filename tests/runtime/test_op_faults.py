@@ -153,7 +153,9 @@ def test_a_fault_at_every_997th_op_of_a_run(engines, trained, mode):
         tokens, errors = _drive(engines(mode), fault)
         if not fault.fired:
             break
-        assert errors, f"op {at} ({fault.fired}) failed no request"
+        # (with overlap a fault can land in the extra round of requests already finished:
+        # it fails none, and every request has its whole output)
+        assert all("InjectedFault" in e for e in errors.values())
         assert not engines(mode).models.target_pool.held
         for i, prompt in enumerate(_prompts()):
             want = reference(trained.target, prompt, MAX_NEW)

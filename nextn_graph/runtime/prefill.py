@@ -66,8 +66,10 @@ class Prefiller:
         st.recomputed_tokens += sum(r.fill_len - r.cached for r in finals if r.output)
         self.sched.prefilled(plan, bonus, logprobs)
 
-    def work(self, plan: list[tuple[Request, int]]) -> PrefillWork:
-        """The device work of prefilling ``plan`` (request, end): rank 0's decisions."""
+    def work(self, plan: list[tuple[Request, int]], rows: dict[int, list[int]],
+             k: int) -> PrefillWork:
+        """The device work of prefilling ``plan`` (request, end): rank 0's decisions;
+        ``rows``, ``k``: the logprobs asked (``logprob_rows``)."""
         fills = [r.fill for r, _ in plan]
         chunks = tuple(Chunk(r.row, r.prefilled, f[r.prefilled:end])
                        for (r, end), f in zip(plan, fills))
@@ -80,7 +82,6 @@ class Prefiller:
             marks = tuple(prompt_marks(c, r, seeded) for c, seeded, (r, _) in
                           zip(chunks, prefix.seeds or [0] * len(plan), plan))
         pool = self.models.target_pool
-        rows, k = logprob_rows(plan)
         return PrefillWork(
             chunks, nexts, tuple(r.sampling for r in finals),
             # the requests admitted this step: their first chunk (after a hit's pages)
@@ -94,12 +95,12 @@ class Prefiller:
 
     def _prefill(self, plan: list[tuple[Request, int]]):
         """-> (the final chunks' bonus tokens, logprobs by rid; host)."""
-        work = self.work(plan)
+        rows, k = logprob_rows(plan)
+        work = self.work(plan, rows, k)
         if self.tp.parallel:  # the other ranks prefill the same chunks into the same pages
             self.tp.channel.send(PrefillChunks(self.engine_id, work))
         bonus, lp = self.run(work)
         bonus = bonus.tolist() if work.params else []
-        rows, _ = logprob_rows(plan)
         return bonus, self._logprobs(plan, rows, lp, bonus)
 
     @staticmethod

@@ -27,7 +27,7 @@ import torch
 
 from ..config import KERNEL_MODES
 from ..errors import ConfigError
-from . import attention, compress, gemm, indexer, mhc, moe, norm, qgemm
+from . import attention, compress, gemm, indexer, mhc, moe, norm, qgemm, w8a8
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ class Kernels:
     quant_linear: Callable[..., Any]  # (x, weight, scale, fp4_values, fmt, in_features)
     quant_bmm: Callable[..., Any]  # (x [G, T, in], weight [G, ...], ...) -> [G, T, out]
     quant_grouped_mm: Callable[..., Any]  # (x, weight, scale, fp4_values, offs, fmt, in)
+    # ModelSlim W8A8 (``w8a8.py``): (x [*, K], weight int8 [N, K], scale fp32 [N], out_dtype)
+    w8a8_linear: Callable[..., Any] = w8a8.w8a8_linear
+    # (x [A, K] sorted, weight int8 [G, N, K], scale fp32 [G, N], offs [G] int32, out_dtype)
+    w8a8_grouped_mm: Callable[..., Any] = w8a8.w8a8_grouped_mm
+    # (x, weight, deq_scale [N], quant_bias [N] int32, input_scale [1], input_offset [1], dt)
+    w8a8_static_linear: Callable[..., Any] = w8a8.w8a8_static_linear
     # The sparse path over index lists (``memory/lists.py``); None: the model gathers its
     # keys and runs the reference attention, indexer and compressor (``model/``).
     # (q, ring, chunk, swa_idx, swa_count, entries, cmp_idx, cmp_count, sink, scale, ratio)

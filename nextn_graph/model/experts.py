@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..kernels.select import Kernels
 from ..labels import MOE_ROUTED
 from .quant import QuantLinear
+from .w8a8 import W8A8Linear
 
 
 @dataclass
@@ -59,9 +60,37 @@ class QuantStack:
                                         self.fmt, self.in_features)
 
 
-def stack_projection(linears: list[nn.Module], what: str) -> FloatStack | QuantStack:
+@dataclass
+class W8A8Stack:
+    """One projection of every local expert as ModelSlim W8A8_DYNAMIC int8 weights: rows
+    quantized per token in the op, an exact int32 GEMM, the scales in the epilogue. The
+    first GEMM (gate, up) keeps fp32 for the fp32 SwiGLU; the second (down) gives the
+    model dtype: Ascend's grouped W8A8 expert path."""
+    profile_label = MOE_ROUTED
+
+    weight: Tensor  # [G, out, in] int8
+    scale: Tensor  # [G, out] fp32 (a view of the experts' stacked weight_scale bits)
+    out_dtype: torch.dtype
+
+    def __call__(self, x: Tensor, offs: Tensor, kernels: Kernels) -> Tensor:
+        return kernels.w8a8_grouped_mm(x, self.weight, self.scale, offs, self.out_dtype)
+
+
+Stack = FloatStack | QuantStack | W8A8Stack
+
+
+def stack_projection(linears: list[nn.Module], what: str,
+                     out_dtype: torch.dtype = torch.float32) -> Stack:
     """Stack one projection (``linears``: the same one of each local expert, in expert
-    order) and rebind each module's tensors to slices of the stack."""
+    order) and rebind each module's tensors to slices of the stack. ``out_dtype``: a W8A8
+    stack's output (fp32 for gate and up, the model's for down)."""
+    if all(isinstance(m, W8A8Linear) for m in linears):
+        shapes = {(m.in_features, m.out_features) for m in linears}
+        if len(shapes) != 1:
+            raise ValueError(f"{what}: the experts' W8A8 shapes differ: {sorted(shapes)}")
+        _stack(linears, "weight_offset")
+        scale = _stack(linears, "weight_scale").view(torch.float32)[..., 0]  # [G, out]
+        return W8A8Stack(_stack(linears, "weight"), scale, out_dtype)
     if all(isinstance(m, QuantLinear) for m in linears):
         kinds = {(m.fmt, m.fp32_scale, m.in_features, m.out_features) for m in linears}
         if len(kinds) != 1:

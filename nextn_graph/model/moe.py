@@ -84,8 +84,10 @@ class MoE(UsesKernels, nn.Module):
         """Stack the local experts' w1, w2, w3 (see ``experts.py``); called after build
         and after every ``_apply``, so a stack never outlives the tensors it holds."""
         local = [self.experts[e] for e in self.local]
+        dtype = self.gate.weight.dtype  # the model's (W8A8: the down GEMM's output)
         self.stacks = {name: stack_projection([getattr(m, name) for m in local],
-                                              f"routed experts' {name}")
+                                              f"routed experts' {name}",
+                                              dtype if name == "w2" else torch.float32)
                        for name in ("w1", "w2", "w3")}
 
     def _apply(self, fn, recurse=True):

@@ -37,9 +37,10 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)  # [..., 1]
     live = amax > 0
-    mult = torch.where(live, QMAX / amax, torch.zeros_like(amax))  # 0 on a zero row
+    # true divisions (``127 / t`` in torch is ``t.reciprocal() * 127``: not IEEE's quotient)
+    mult = torch.where(live, torch.div(torch.full_like(amax, QMAX), amax), 0.0)  # 0: zero row
     q = torch.round(xf * mult).clamp(-QMAX, QMAX).to(torch.int8)
-    s = torch.where(live, 1.0 / mult, torch.zeros_like(amax))
+    s = torch.where(live, torch.div(torch.ones_like(amax), mult), 0.0)
     return q, s
 
 

@@ -1,6 +1,10 @@
 """Errors the library raises on bad input. Each message names the file, key or value."""
 
+import re
 import reprlib
+
+# a filesystem path: two or more components after a root or a drive (``/a/b``, ``C:\\a\\b``)
+_PATH = re.compile(r"(?<![\w.:/\\])(?:[A-Za-z]:)?(?:[/\\][\w.+~@-]+){2,}[/\\]?")
 
 
 def show_value(value: object, limit: int = 80) -> str:
@@ -11,6 +15,12 @@ def show_value(value: object, limit: int = 80) -> str:
     short.maxlist = short.maxtuple = short.maxdict = short.maxset = 8
     text = short.repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def without_paths(text: str) -> str:
+    """``text`` for a client: filesystem paths (a kernel's source file, a checkpoint's
+    directory) replaced by ``<path>``; the server's log keeps the whole text."""
+    return _PATH.sub("<path>", text)
 
 
 class NextnGraphError(Exception):

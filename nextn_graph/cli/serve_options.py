@@ -61,8 +61,8 @@ def add_serve_options(parser: argparse.ArgumentParser, positive) -> None:
                         help="seconds a request may run; past that it fails (504, or an "
                              "error event in its stream) and its rows are freed (0: no limit)")
     parser.add_argument("--body-timeout", type=_seconds, default=ServeSettings.body_timeout_s,
-                        help="seconds a request's body may take to arrive after its "
-                             "headers; past that it is a 408 and the connection closes "
+                        help="seconds a request's head may take to arrive, and then its "
+                             "body; past that it is a 408 and the connection closes "
                              f"(default {ServeSettings.body_timeout_s:g})")
     parser.add_argument("--model-name", default=None,
                         help="the model id served (default: the checkpoint's name)")

@@ -33,6 +33,7 @@ from .engine.build import build_engine
 from .engine.hosts import ProcessHost, ThreadHost
 from .engine.process import EngineSpec
 from .front.app import create_app
+from .front.http import head_timeout_protocol
 from .front.limits import API_KEY_ENV, ServeSettings
 from .front.model_info import describe
 
@@ -106,6 +107,7 @@ def make_server(cfg: RunConfig, settings: ServeSettings, log_level: str = "info"
                      cfg.pool.max_requests, on_failed=stop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
                             log_level=log_level,
+                            http=head_timeout_protocol(settings.body_timeout_s),
                             # a backstop: the engine loop ends every request by the grace
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10)
     holder.append(_Server(config, app.state.serve.begin_drain))

@@ -123,6 +123,35 @@ def test_top_k_past_the_vocabulary_is_off(server):
         before, "nextn_engine_faults_total")
 
 
+def _until_closed(s: socket.socket) -> bytes:
+    reply = b""
+    while chunk := s.recv(4096):  # (until the server closes)
+        reply += chunk
+    return reply
+
+
+def test_a_head_that_never_completes_is_a_408(server):
+    """A client that trickles its request head, or opens a connection and sends nothing,
+    gets a 408 once the timeout passes and the connection closes; a head that completes
+    in time is served; the server serves on."""
+    host, port = server.url.removeprefix("http://").split(":")
+    for sent in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-", b""):
+        start = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(sent)
+            reply = _until_closed(s)
+        assert time.monotonic() - start >= BODY_TIMEOUT_S
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == "head_timeout"
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(BODY_TIMEOUT_S / 2)  # slow, but within the deadline
+        s.sendall(b"Host: x\r\nConnection: close\r\n\r\n")
+        assert _until_closed(s).startswith(b"HTTP/1.1 200")
+    assert server.http.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("path, extra, param", [
     ("/v1/completions", {"seed": 2**63}, "seed"),
     ("/v1/completions", {"max_tokens": 2**63}, "max_tokens"),
@@ -217,6 +246,7 @@ def test_metadata_fields_must_be_of_their_type(server, path, extra, param):
 def test_openapi_describes_every_route_and_field(server):
     spec = server.http.get("/openapi.json").json()
     assert {"/health", "/metrics", "/v1/models"} <= set(spec["paths"])
+    assert "securitySchemes" not in spec.get("components", {})  # no key: none asked
     for path, table in TABLES.items():
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         schema = body["schema"]

@@ -188,6 +188,20 @@ def test_logprobs_and_two_choices(client, oracle):
     assert whole.usage.completion_tokens == 2 * len(want)
 
 
+def test_openapi_says_which_routes_take_the_key(server):
+    """A server with an API key publishes it as a bearer scheme on every route that checks
+    it, and on none of those that do not (a request without it is the 401 it says)."""
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, methods in spec["paths"].items():
+        for method, operation in methods.items():
+            guarded = operation.get("security") == [{"bearer": []}]
+            assert guarded == (path not in ("/health", "/metrics")), (path, method)
+            if method == "get":
+                status = httpx.get(server.url + path).status_code
+                assert (status == 401) == guarded, (path, status)
+
+
 def test_refusals_are_openai_errors(server, client):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -276,7 +290,8 @@ def test_metrics_match_what_clients_saw(server, client):
 
 def test_engine_fault_fails_only_its_request(server, client, oracle):
     """A fault in a prefill (raised from a forward pre-hook, once) fails the request being
-    admitted with a 500 in OpenAI's shape; the request already running is untouched.
+    admitted with a 500 in OpenAI's shape, whose message names no server path; the
+    request already running is untouched.
     (The hook goes on the engine's model: the thread host's, in this process.)"""
     if server.state.settings.engine != "thread":
         pytest.skip("the engine is in another process: no hook to place")
@@ -287,7 +302,7 @@ def test_engine_fault_fails_only_its_request(server, client, oracle):
     def fault(module, args):
         if not fired:
             fired.append(True)
-            raise RuntimeError("injected prefill fault")
+            raise RuntimeError("injected prefill fault in /home/me/kernels/attn.py:12")
 
     before = scrape(server.url)
     with client.completions.with_streaming_response.create(
@@ -302,7 +317,8 @@ def test_engine_fault_fails_only_its_request(server, client, oracle):
                                           stream=True)
         finally:
             hook.remove()
-        assert "injected prefill fault" in err.value.body["message"]
+        message = err.value.body["message"]
+        assert "injected prefill fault in <path>" in message and "/home" not in message
         assert err.value.body["type"] == "server_error"
         events = [json.loads(line[6:]) for line in [first, *lines]
                   if line.startswith("data:") and line != "data: [DONE]"]

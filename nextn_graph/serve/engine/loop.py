@@ -20,7 +20,7 @@ import queue
 import time
 from typing import Callable
 
-from ...errors import InputError
+from ...errors import InputError, without_paths
 from ...runtime.engine import SpecEngine
 from ...runtime.request import StepOutput
 from ..messages import (Abort, Add, Drain, Event, Failure, JobEvent, Report, Stop, Ticket,
@@ -110,7 +110,7 @@ class EngineLoop:
         except InputError as exc:
             return Failure(400, str(exc), api_param(exc.field))
         except Exception as exc:  # a broken engine (a failed tensor-parallel group)
-            return Failure(500, f"{type(exc).__name__}: {exc}")
+            return Failure(500, without_paths(f"{type(exc).__name__}: {exc}"))
         self._rids[t.key], self._keys[rid] = rid, t.key
         return None
 
@@ -130,8 +130,8 @@ class EngineLoop:
             log.error("engine step failed", exc_info=exc)
             for key, rid in list(self._rids.items()):
                 self.engine.abort(rid)
-                self._end(key, Failure(500, f"engine step failed: {type(exc).__name__}: "
-                                            f"{str(exc)[:300]}"))
+                self._end(key, Failure(500, without_paths(
+                    f"engine step failed: {type(exc).__name__}: {str(exc)[:300]}")))
             return
         self._outs.extend(outs)
         for out in outs:
@@ -139,7 +139,7 @@ class EngineLoop:
             if key is None:  # aborted since
                 continue
             if out.error is not None:
-                self._end(key, Failure(500, out.error))
+                self._end(key, Failure(500, without_paths(out.error)))
             elif out.finished:
                 self._end(key, out)
             else:

@@ -30,7 +30,7 @@ from .metrics import ServeMetrics
 from .model_info import ModelInfo
 from .protocol import parse_request
 from .responses import DONE, Shaper, sse
-from .schema import CHAT_TYPES, COMPLETION_TYPES, object_schema, openapi_body
+from .schema import CHAT_TYPES, COMPLETION_TYPES, object_schema, openapi_body, with_bearer
 from .session import Session
 from .tokens import add_token_routes
 from .worker import EngineWorker
@@ -155,7 +155,15 @@ def create_app(settings: ServeSettings, host: Host,
         return await _generate(state, request, chat=True)
 
     add_token_routes(app, state)
+    if settings.api_key is not None:
+        plain_schema = app.openapi
 
+        def openapi() -> dict:  # FastAPI's, built once, with the key's scheme
+            if app.openapi_schema is None:
+                app.openapi_schema = with_bearer(plain_schema())
+            return app.openapi_schema
+
+        app.openapi = openapi
     return app
 
 

@@ -39,8 +39,9 @@ class ServeSettings:
     # a request still running after this many seconds fails (504, or an error event in
     # its stream) and its engine requests are aborted; None: no limit
     request_timeout_s: float | None = None
-    # a body not all there this many seconds after its headers is a 408 and the
-    # connection closes (a client that declares more than it sends holds nothing)
+    # a request head not all there this many seconds after the connection (or the next
+    # request's first byte), or a body not all there this long after its head, is a 408
+    # and the connection closes (a client that trickles or under-sends holds nothing)
     body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:

@@ -126,3 +126,20 @@ def openapi_body(schema: dict) -> dict:
                                                  "names the field at fault)", **error},
                           "5XX": {"description": "the engine is starting, gone or failed",
                                   **error}}}
+
+
+UNGUARDED = ("/health", "/metrics")  # the routes that take no API key
+
+
+def with_bearer(spec: dict) -> dict:
+    """``spec`` (an OpenAPI document) saying that every route but ``UNGUARDED`` takes the
+    server's key as ``Authorization: Bearer <key>`` (a 401 without it)."""
+    spec.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "the server's API key (--api-key, or the environment's)"}
+    for path, methods in spec["paths"].items():
+        if path not in UNGUARDED:
+            for operation in methods.values():
+                operation["security"] = [{"bearer": []}]
+    return spec
+
